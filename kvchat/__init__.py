@@ -1,0 +1,3 @@
+"""kvchat: local terminal chat whose engine keeps a bounded KV-Direct cache."""
+
+__version__ = "0.1.0"
