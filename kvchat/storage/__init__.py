@@ -1,0 +1,38 @@
+"""Conversation store: manifest + per-turn safetensors segments, atomic writes, checksums,
+and a per-conversation lock. Knows files, not models."""
+
+from kvchat.storage.manifest import (
+    FORMAT_VERSION,
+    AmbiguousConversationError,
+    ConversationLockedError,
+    ConversationNotFoundError,
+    Manifest,
+    ManifestError,
+    ModelInfo,
+    ModelMismatchError,
+    NewerFormatError,
+    SaveFailedError,
+    SegmentCorruptedError,
+    SegmentInfo,
+    Turn,
+)
+from kvchat.storage.store import Conversation, ConversationStore, ConversationSummary
+
+__all__ = [
+    "FORMAT_VERSION",
+    "AmbiguousConversationError",
+    "Conversation",
+    "ConversationLockedError",
+    "ConversationNotFoundError",
+    "ConversationStore",
+    "ConversationSummary",
+    "Manifest",
+    "ManifestError",
+    "ModelInfo",
+    "ModelMismatchError",
+    "NewerFormatError",
+    "SaveFailedError",
+    "SegmentCorruptedError",
+    "SegmentInfo",
+    "Turn",
+]

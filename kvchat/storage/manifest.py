@@ -1,0 +1,307 @@
+"""The conversation manifest: one readable JSON file that says what a conversation holds.
+
+The manifest is the single source of truth for a conversation. Segment files on disk that it
+does not name do not exist as far as kvchat is concerned (they are leftovers of an interrupted
+save), which is what makes a save atomic: the manifest is replaced in one ``rename`` after the
+new segment is safely on disk.
+
+The storage error classes live here too, because every other storage module already depends
+on this one and none of them may depend on ``store``. Every message is one line addressed to
+the user, names the conversation or file, and says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kvchat.errors import StorageError
+
+FORMAT_VERSION = 1
+"""Bump when a reader of the old format would misread the new one (not for new optional keys)."""
+
+TITLE_MAX_CHARS = 60
+
+SEGMENT_NAME_RE = re.compile(r"^turn-(\d{4,})\.safetensors$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ConversationNotFoundError(StorageError):
+    """No conversation has that id (or id prefix)."""
+
+
+class AmbiguousConversationError(StorageError):
+    """An id prefix matches more than one conversation."""
+
+
+class ManifestError(StorageError):
+    """manifest.json is missing, not JSON, or does not have the expected structure."""
+
+
+class NewerFormatError(StorageError):
+    """The conversation was written by a newer kvchat whose format this one cannot read."""
+
+
+class ModelMismatchError(StorageError):
+    """The conversation was saved with another model or dtype than the one asked for."""
+
+
+class SegmentCorruptedError(StorageError):
+    """A segment file is missing, truncated, or fails its checksum."""
+
+
+class ConversationLockedError(StorageError):
+    """Another process (or another handle in this one) has the conversation open."""
+
+
+class SaveFailedError(StorageError):
+    """Writing a turn failed (disk full, I/O error); the previous turn is still on disk."""
+
+
+def one_line(text: object) -> str:
+    """Collapse any whitespace run (newlines included) so a message stays on one line."""
+    return " ".join(str(text).split())
+
+
+# --------------------------------------------------------------------------- dataclasses
+
+
+@dataclass
+class ModelInfo:
+    """Which model produced the saved tensors; they are only valid for that exact model."""
+
+    name: str
+    fingerprint: str
+    dtype: str
+
+
+@dataclass
+class SegmentInfo:
+    """One turn's safetensors file: its name inside ``segments/`` plus what it must hash to."""
+
+    file: str
+    sha256: str
+    nbytes: int
+
+
+@dataclass
+class Turn:
+    """One saved turn. ``index`` starts at 1 and matches the ``turn-NNNN`` file name."""
+
+    index: int
+    n_tokens_total_after: int
+    segment: SegmentInfo
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Manifest:
+    """Everything about a conversation except the tensors themselves."""
+
+    id: str
+    title: str
+    created: str
+    updated: str
+    model: ModelInfo
+    settings: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    engine_state: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    # -- serialisation -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict, keys in a stable, human-friendly order."""
+        return {
+            "format_version": self.format_version,
+            "id": self.id,
+            "title": self.title,
+            "created": self.created,
+            "updated": self.updated,
+            "model": {
+                "name": self.model.name,
+                "fingerprint": self.model.fingerprint,
+                "dtype": self.model.dtype,
+            },
+            "settings": self.settings,
+            "messages": self.messages,
+            "token_ids": self.token_ids,
+            "turns": [
+                {
+                    "index": t.index,
+                    "n_tokens_total_after": t.n_tokens_total_after,
+                    "segment": {
+                        "file": t.segment.file,
+                        "sha256": t.segment.sha256,
+                        "nbytes": t.segment.nbytes,
+                    },
+                    "extra": t.extra,
+                }
+                for t in self.turns
+            ],
+            "engine_state": self.engine_state,
+        }
+
+    def to_json(self) -> str:
+        """Readable JSON: objects and lists of objects indented, but lists of plain values
+        (``token_ids``, chunk boundaries) on one line: one int per line would bury the rest
+        of the file under thousands of lines."""
+        return _pretty(self.to_dict()) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str | Path, conv_id: str) -> Manifest:
+        """Parse and validate. ``source`` and ``conv_id`` only feed the error messages."""
+        try:
+            data = json.loads(text)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both
+            raise ManifestError(
+                f"manifest {source} of conversation {conv_id} is not valid JSON "
+                f"({one_line(e)}); restore it from a backup or run `kvchat delete {conv_id}`"
+            ) from None
+        return cls.from_dict(data, source=source, conv_id=conv_id)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str | Path, conv_id: str) -> Manifest:
+        """Build from parsed JSON, checking every field so a damaged file fails here, once,
+        with a message naming the file, instead of deep inside the engine."""
+
+        def bad(what: str) -> ManifestError:
+            return ManifestError(
+                f"manifest {source} of conversation {conv_id} is damaged ({one_line(what)}); "
+                f"restore it from a backup or run `kvchat delete {conv_id}`"
+            )
+
+        if not isinstance(data, dict):
+            raise bad("top level is not an object")
+        check_format_version(data.get("format_version"), conv_id=conv_id, bad=bad)
+
+        def get(obj: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
+            if key not in obj:
+                raise bad(f"{where}{key} missing")
+            value = obj[key]
+            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+                raise bad(f"{where}{key} has the wrong type")
+            return value
+
+        model = get(data, "model", dict, "")
+        messages = get(data, "messages", list, "")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict):
+                raise bad(f"messages[{i}] is not an object")
+            get(msg, "role", str, f"messages[{i}].")
+            get(msg, "content", str, f"messages[{i}].")
+        token_ids = get(data, "token_ids", list, "")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise bad("token_ids holds a non-integer")
+
+        turns = []
+        for i, raw in enumerate(get(data, "turns", list, "")):
+            where = f"turns[{i}]."
+            if not isinstance(raw, dict):
+                raise bad(f"turns[{i}] is not an object")
+            seg = get(raw, "segment", dict, where)
+            turn = Turn(
+                index=get(raw, "index", int, where),
+                n_tokens_total_after=get(raw, "n_tokens_total_after", int, where),
+                segment=SegmentInfo(
+                    file=get(seg, "file", str, where + "segment."),
+                    sha256=get(seg, "sha256", str, where + "segment."),
+                    nbytes=get(seg, "nbytes", int, where + "segment."),
+                ),
+                extra=get(raw, "extra", dict, where) if "extra" in raw else {},
+            )
+            if turn.index != i + 1:
+                raise bad(f"{where}index is {turn.index}, expected {i + 1}")
+            if turn.segment.file != segment_file_name(turn.index):
+                raise bad(f"{where}segment.file is {turn.segment.file!r}")
+            if not _SHA256_RE.match(turn.segment.sha256):
+                raise bad(f"{where}segment.sha256 is not a sha256 hex digest")
+            if turn.segment.nbytes < 0:
+                raise bad(f"{where}segment.nbytes is negative")
+            previous = turns[-1].n_tokens_total_after if turns else 0
+            if not previous <= turn.n_tokens_total_after <= len(token_ids):
+                raise bad(f"{where}n_tokens_total_after is out of order or past token_ids")
+            turns.append(turn)
+
+        for key in ("created", "updated"):
+            try:
+                datetime.fromisoformat(get(data, key, str, ""))
+            except ValueError:
+                raise bad(f"{key} is not an ISO-8601 time") from None
+
+        return cls(
+            format_version=data["format_version"],
+            id=get(data, "id", str, ""),
+            title=get(data, "title", str, ""),
+            created=data["created"],
+            updated=data["updated"],
+            model=ModelInfo(
+                name=get(model, "name", str, "model."),
+                fingerprint=get(model, "fingerprint", str, "model."),
+                dtype=get(model, "dtype", str, "model."),
+            ),
+            settings=get(data, "settings", dict, ""),
+            messages=messages,
+            token_ids=token_ids,
+            turns=turns,
+            engine_state=get(data, "engine_state", dict, "") if "engine_state" in data else {},
+        )
+
+
+def _pretty(value: Any, level: int = 0) -> str:
+    def scalar(v: Any) -> str:
+        return json.dumps(v, ensure_ascii=False, allow_nan=False)
+
+    pad, end = "  " * (level + 1), "  " * level
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        items = [f"{pad}{scalar(str(k))}: {_pretty(v, level + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + end + "}"
+    if isinstance(value, (list, tuple)):
+        if all(not isinstance(v, (dict, list, tuple)) for v in value):
+            return "[" + ",".join(scalar(v) for v in value) + "]"
+        items = [pad + _pretty(v, level + 1) for v in value]
+        return "[\n" + ",\n".join(items) + "\n" + end + "]"
+    return scalar(value)
+
+
+def check_format_version(version: Any, *, conv_id: str, bad: Any = None) -> None:
+    """Refuse a manifest from a newer kvchat before looking at anything else in it: its other
+    fields may mean something this version does not know."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        if bad is not None:
+            raise bad("format_version missing or not a positive integer")
+        raise ManifestError(f"conversation {conv_id} has no valid format_version")
+    if version > FORMAT_VERSION:
+        raise NewerFormatError(
+            f"conversation {conv_id} was saved by a newer kvchat "
+            f"(format {version} > {FORMAT_VERSION}); upgrade kvchat to open it"
+        )
+
+
+def segment_file_name(index: int) -> str:
+    """``turn-0003.safetensors``: zero-padded so a plain ``ls`` lists turns in order."""
+    return f"turn-{index:04d}.safetensors"
+
+
+def utc_now() -> str:
+    """ISO-8601 UTC with an explicit offset (``+00:00`` parses on Python 3.10, ``Z`` not)."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def make_title(text: str) -> str:
+    """First user message as a one-line title of at most TITLE_MAX_CHARS characters."""
+    text = one_line(text)
+    if len(text) <= TITLE_MAX_CHARS:
+        return text
+    return text[: TITLE_MAX_CHARS - 1].rstrip() + "…"

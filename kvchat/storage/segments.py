@@ -1,0 +1,182 @@
+"""Segment files: one safetensors file per turn, checked against a sha256 before use.
+
+A segment is written once and never rewritten, so its checksum (kept in the manifest) is a
+complete description of what the file must contain. Reading verifies it first: a truncated
+or bit-flipped file must surface as a clear error naming the file, never as wrong tensors
+fed silently to the engine.
+
+Whole-turn reads (``read_segment``) hash and parse the same bytes read once. Lazy reads
+(``iter_segment``, ``read_slice``) go through ``safe_open``; for those the file is hashed once
+per process and the result remembered by (device, inode, size, mtime), so slicing a few rows
+at a time costs a header parse and a small read, not a full-file hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from kvchat.storage.atomic import write_atomic
+from kvchat.storage.manifest import SegmentCorruptedError, SegmentInfo, one_line
+
+SEGMENT_METADATA = {"kvchat": "segment", "format": "1"}
+
+_verified: dict[tuple[str, int, int, int, int], str] = {}
+_verified_lock = threading.Lock()
+
+
+def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, SegmentInfo]:
+    """Serialise tensors to safetensors bytes and describe them (file name left empty).
+
+    Done in memory before anything touches the disk so the checksum is of exactly the bytes
+    written, and so a bad argument fails before a save starts.
+    """
+    prepared: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        # safetensors wants dense, contiguous CPU memory; these are no-ops when already so.
+        prepared[name] = tensor.detach().to("cpu").contiguous()
+    data = st_save(prepared, metadata=SEGMENT_METADATA)
+    return data, SegmentInfo(file="", sha256=hashlib.sha256(data).hexdigest(), nbytes=len(data))
+
+
+def write_segment(path: Path, data: bytes) -> None:
+    """Write a segment atomically and durably (see atomic.write_atomic)."""
+    write_atomic(path, data)
+
+
+def _corrupted(path: Path, conv_id: str, why: str) -> SegmentCorruptedError:
+    return SegmentCorruptedError(
+        f"segment {path.name} of conversation {conv_id} is corrupted ({one_line(why)}); "
+        f"the other turns are stored separately — run `kvchat export {conv_id}` to save the "
+        f"text, or `kvchat delete {conv_id}`"
+    )
+
+
+def _stat_key(path: Path) -> tuple[str, int, int, int, int]:
+    st = os.stat(path)
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_size(path: Path, info: SegmentInfo, conv_id: str) -> int:
+    """Cheap first check (a stat): present and exactly as long as when it was written."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise _corrupted(path, conv_id, "file missing") from None
+    except OSError as e:
+        raise _corrupted(path, conv_id, f"cannot stat: {e.strerror}") from None
+    if size != info.nbytes:
+        raise _corrupted(path, conv_id, f"{size} bytes, expected {info.nbytes}: truncated")
+    return size
+
+
+def _sha256_file(path: Path) -> str:
+    """Streaming sha256 so verifying a large segment does not hold it all in memory."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(path: Path, info: SegmentInfo, conv_id: str) -> None:
+    """Check size and sha256, at most once per process for an unchanged file."""
+    check_size(path, info, conv_id)
+    key = _stat_key(path)
+    with _verified_lock:
+        if _verified.get(key) == info.sha256:
+            return
+    try:
+        digest = _sha256_file(path)
+    except OSError as e:
+        raise _corrupted(path, conv_id, f"unreadable: {e.strerror}") from None
+    if digest != info.sha256:
+        raise _corrupted(path, conv_id, "checksum mismatch")
+    with _verified_lock:
+        _verified[key] = digest
+
+
+def forget(path: Path) -> None:
+    """Drop cached verifications of ``path``, or of everything under it if it is a folder
+    (after deleting it, so the cache does not grow with dead entries)."""
+    exact = str(path)
+    prefix = exact.rstrip(os.sep) + os.sep
+    with _verified_lock:
+        for key in [k for k in _verified if k[0] == exact or k[0].startswith(prefix)]:
+            del _verified[key]
+
+
+def read_segment(path: Path, info: SegmentInfo, conv_id: str) -> dict[str, torch.Tensor]:
+    """Every tensor of one segment, after checking that the bytes are the ones saved.
+
+    Reads the file once into memory, hashes those bytes and parses those same bytes: nothing
+    can change between the check and the use.
+    """
+    check_size(path, info, conv_id)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise _corrupted(path, conv_id, f"unreadable: {e.strerror}") from None
+    if hashlib.sha256(data).hexdigest() != info.sha256:
+        raise _corrupted(path, conv_id, "checksum mismatch")
+    try:
+        tensors = st_load(data)
+    except (SafetensorError, RuntimeError, ValueError) as e:  # checksum matched: bad writer
+        raise _corrupted(path, conv_id, f"not a safetensors file: {e}") from None
+    with _verified_lock:
+        _verified[_stat_key(path)] = info.sha256
+    return tensors
+
+
+def iter_segment(path: Path, info: SegmentInfo, conv_id: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one tensor at a time, in the file's (sorted) name order."""
+    verify(path, info, conv_id)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            for name in names:
+                yield name, f.get_tensor(name)
+    except SegmentCorruptedError:
+        raise
+    except (OSError, RuntimeError, ValueError, SafetensorError) as e:
+        raise _corrupted(path, conv_id, f"unreadable: {e}") from None
+
+
+def read_slice(
+    path: Path, info: SegmentInfo, conv_id: str, name: str, start: int, stop: int
+) -> torch.Tensor:
+    """Rows [start, stop) along the first dimension of one tensor, reading only those rows.
+
+    Raises KeyError for an unknown tensor name and IndexError for rows outside the tensor:
+    those are caller bugs, not damaged files.
+    """
+    verify(path, info, conv_id)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if name not in f.keys():
+                raise KeyError(f"segment {path.name} has no tensor {name!r}")
+            sl = f.get_slice(name)
+            shape = sl.get_shape()
+            if not shape:
+                raise IndexError(f"tensor {name!r} in {path.name} is a scalar; it has no rows")
+            if not 0 <= start <= stop <= shape[0]:
+                raise IndexError(
+                    f"rows [{start}:{stop}) outside tensor {name!r} with {shape[0]} rows"
+                )
+            return sl[start:stop]
+    except (KeyError, IndexError):
+        raise
+    except (OSError, RuntimeError, ValueError, SafetensorError) as e:
+        raise _corrupted(path, conv_id, f"unreadable: {e}") from None
