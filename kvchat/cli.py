@@ -1,0 +1,257 @@
+"""The ``kvchat`` command.
+
+``kvchat`` alone opens the chat app; ``kvchat run`` is the scriptable headless contract
+(documented in README.md, relied on by tests and benchmarks); ``models`` and ``inspect``
+answer questions without loading weights. torch and transformers are imported inside the
+commands, so ``kvchat --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from kvchat.errors import KvchatError
+
+DEVICES = ["auto", "cpu", "cuda", "mps"]
+DTYPES = ["float32", "bfloat16", "float16", "auto"]
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    from kvchat.engine.planner import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _fail(exc: BaseException) -> None:
+    click.echo(f"kvchat: error: {exc}", err=True)
+    sys.exit(1)
+
+
+def model_options(fn: Callable) -> Callable:
+    """Options shared by every command that loads a model."""
+    options = [
+        click.option("--model", "-m", default=None, help="Alias, HF repo id, model dir or .gguf file (default: smollm2-135m)."),
+        click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
+        click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
+        click.option("--weights", type=click.Choice(["none", "int8", "int4"]), default="none", show_default=True, help="Quantize weights with optimum-quanto."),
+        click.option("--cache", "cache_kind", type=click.Choice(["kvdirect", "standard"]), default="kvdirect", show_default=True, help="KV-Direct, or transformers' own DynamicCache for comparison."),
+        click.option("--max-mem", callback=_size, default=None, help="Ceiling on resident conversation state, e.g. 64MB, 512KiB, 1.5GB."),
+        click.option("--hot-window", type=click.IntRange(min=0), default=None, help="Tokens whose K/V stay hot (default: derived from --max-mem)."),
+        click.option("--checkpoint", type=click.Choice(["residual", "kv", "auto"]), default="residual", show_default=True, help="What an evicted token leaves behind per layer."),
+        click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True),
+    ]  # fmt: skip
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _load(opts: dict[str, Any], quiet: bool = False):
+    from kvchat.engine.loader import load
+    from kvchat.engine.models import DEFAULT_MODEL
+
+    say = (lambda _m: None) if quiet else (lambda m: click.echo(f"kvchat: {m}", err=True))
+    return load(
+        opts["model"] or DEFAULT_MODEL,
+        device=opts["device"],
+        dtype=opts["dtype"],
+        weights=opts["weights"],
+        progress=say,
+    )
+
+
+def _cache_settings(opts: dict[str, Any]):
+    from kvchat.engine.settings import CacheSettings
+
+    return CacheSettings(
+        kind=opts["cache_kind"],
+        max_mem=opts["max_mem"],
+        hot_window=opts["hot_window"],
+        checkpoint=opts["checkpoint"],
+        prefill_chunk=opts["prefill_chunk"],
+    )
+
+
+@click.group(invoke_without_command=True)
+@click.version_option(package_name="kvchat")
+@model_options
+@click.option("--system", default=None, help="System prompt.")
+@click.pass_context
+def cli(ctx: click.Context, **opts: Any) -> None:
+    """Local chat with a bounded KV-Direct cache. Without a command: the chat app."""
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(chat, **opts)
+
+
+@cli.command()
+@model_options
+@click.option("--system", default=None, help="System prompt.")
+def chat(**opts: Any) -> None:
+    """Open the terminal chat app."""
+    try:
+        from kvchat.ui.app import run_app
+    except ImportError:
+        _fail(KvchatError("the chat app is not built yet; use `kvchat run --prompt ...`"))
+    run_app(opts)
+
+
+class _CancelOnSigint:
+    """First Ctrl-C ends the reply cleanly; a second one interrupts for real."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def __enter__(self) -> _CancelOnSigint:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.cancelled:
+            raise KeyboardInterrupt
+        self.cancelled = True
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+@cli.command()
+@model_options
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--prompt", "prompts", multiple=True, help="A user turn; repeat for more turns.")
+@click.option(
+    "--prompt-file",
+    type=click.File("r"),
+    default=None,
+    help="A user turn read from a file ('-' for stdin).",
+)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option(
+    "--temperature", type=float, default=None, help="Sample at this temperature (default: greedy)."
+)
+@click.option(
+    "--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True
+)
+@click.option("--seed", type=int, default=None)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per turn on stdout.")
+def run(**opts: Any) -> None:
+    """Headless: answer each --prompt in turn, streaming, then print a memory line."""
+    from kvchat.engine.settings import SamplingSettings
+
+    prompts = list(opts["prompts"])
+    if opts["prompt_file"] is not None:
+        prompts.append(opts["prompt_file"].read())
+    if not prompts:
+        _fail(KvchatError("nothing to answer; pass --prompt TEXT or --prompt-file FILE"))
+    as_json = opts["as_json"]
+    sampling = SamplingSettings(
+        temperature=opts["temperature"],
+        top_p=opts["top_p"],
+        seed=opts["seed"],
+        max_new_tokens=opts["max_new_tokens"],
+    )
+    try:
+        loaded = _load(opts, quiet=as_json)
+        from kvchat.engine.memory import format_memory_line
+        from kvchat.engine.session import ChatSession
+
+        session = ChatSession(loaded, system=opts["system"], cache=_cache_settings(opts))
+        for turn, prompt in enumerate(prompts, start=1):
+            with _CancelOnSigint() as sigint:
+                on_text = None if as_json else _stream_to_stdout
+                result = session.send(
+                    prompt, sampling, on_text=on_text, should_stop=lambda: sigint.cancelled
+                )
+            if as_json:
+                click.echo(json.dumps(_turn_json(turn, prompt, result)))
+            else:
+                if result.cancelled:
+                    click.echo(" [stopped]", nl=False)
+                click.echo()
+                click.echo(format_memory_line(result.memory), err=True)
+            if result.cancelled:
+                sys.exit(130)
+    except KvchatError as exc:
+        _fail(exc)
+
+
+def _stream_to_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _turn_json(turn: int, prompt: str, result: Any) -> dict[str, Any]:
+    return {
+        "turn": turn,
+        "prompt": prompt,
+        "reply": result.reply,
+        "tokens": result.tokens,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "prefill_seconds": round(result.prefill_seconds, 4),
+        "decode_seconds": round(result.decode_seconds, 4),
+        "decode_tokens_per_second": round(result.decode_tokens_per_second, 2),
+        "memory": result.memory,
+    }
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+def models(as_json: bool) -> None:
+    """List model aliases and which are available locally."""
+    from kvchat.engine.models import list_models
+
+    rows = list_models()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"{'alias':<14} {'local':<6} {'repo':<38} description")
+    for row in rows:
+        local = "yes" if row.get("available") else "no"
+        click.echo(
+            f"{row['alias']:<14} {local:<6} {row['repo_id']:<38} {row.get('description', '')}"
+        )
+
+
+@cli.command()
+@click.argument("model")
+@click.option(
+    "--dtype", default="bfloat16", show_default=True, help="Bytes per element to count with."
+)
+@click.option(
+    "--tokens",
+    "n_tokens",
+    type=click.IntRange(min=1),
+    default=4096,
+    show_default=True,
+    help="Context length for the standard-cache figure.",
+)
+@click.option("--json", "as_json", is_flag=True)
+def inspect(model: str, dtype: str, n_tokens: int, as_json: bool) -> None:
+    """Bytes per token per layer: K/V, residual checkpoint, standard-cache equivalent."""
+    from kvchat.engine.footprint import footprint_from_config, load_config
+    from kvchat.engine.inspect_report import inspect_as_dict, render_inspect
+
+    try:
+        fp = footprint_from_config(load_config(model), dtype)
+    except KvchatError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(inspect_as_dict(fp, n_tokens), indent=2))
+    else:
+        click.echo(render_inspect(fp, n_tokens))
+
+
+def main() -> None:
+    cli(prog_name="kvchat")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Chunked prefill and the decode loop, as plain functions over (model, cache).
+
+The cache is any transformers ``Cache``: ``DynamicCache`` for the standard path, a
+``KVDirectCache`` for ours. Before each forward call ``before_forward(n_new)`` lets the
+caller re-plan (the KV-Direct planner shrinks the hot window as the context grows).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvchat.engine.sampling import make_generator, next_token
+from kvchat.engine.settings import SamplingSettings
+
+BeforeForward = Callable[[int], None]
+
+
+@dataclass
+class DecodeOutcome:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"  # "eos" | "length" | "cancelled" | "stop"
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    last_logits: torch.Tensor | None = None
+
+
+def forward(
+    model: torch.nn.Module,
+    cache: object,
+    ids: Sequence[int],
+    device: torch.device,
+    before_forward: BeforeForward | None = None,
+) -> torch.Tensor:
+    """One forward call over ``ids``; returns the logits of the last position ([vocab])."""
+    if before_forward is not None:
+        before_forward(len(ids))
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1]
+
+
+def prefill(
+    model: torch.nn.Module,
+    cache: object,
+    ids: Sequence[int],
+    device: torch.device,
+    chunk: int,
+    before_forward: BeforeForward | None = None,
+) -> torch.Tensor:
+    """Feed ``ids`` in chunks of at most ``chunk`` tokens; logits of the last one."""
+    if not ids:
+        raise ValueError("nothing to prefill")
+    logits = None
+    for start in range(0, len(ids), chunk):
+        logits = forward(model, cache, ids[start : start + chunk], device, before_forward)
+    return logits
+
+
+def generate(
+    model: torch.nn.Module,
+    cache: object,
+    prompt_ids: Sequence[int],
+    *,
+    device: torch.device,
+    settings: SamplingSettings,
+    stop_ids: set[int],
+    prefill_chunk: int = 256,
+    before_forward: BeforeForward | None = None,
+    on_token: Callable[[int], bool | None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> DecodeOutcome:
+    """Prefill ``prompt_ids`` then decode until a stop id, ``max_new_tokens`` or cancel.
+
+    ``on_token(id)`` may return True to stop (stop strings). A stop id is kept in
+    ``tokens`` and fed to the cache, so the cache always holds every token in ``tokens``
+    except the very last one generated (which the next turn's prefill feeds first).
+    Cancelling never interrupts a forward call, so the cache is always consistent.
+    """
+    outcome = DecodeOutcome()
+    from kvchat.engine.quantize import inference_context
+
+    generator = make_generator(settings, device)
+    with inference_context(model):
+        t0 = time.perf_counter()
+        logits = prefill(model, cache, prompt_ids, device, prefill_chunk, before_forward)
+        outcome.prefill_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        while True:
+            if should_stop is not None and should_stop():
+                outcome.finish_reason = "cancelled"
+                break
+            token = next_token(logits, settings, generator)
+            outcome.tokens.append(token)
+            if token in stop_ids:
+                outcome.finish_reason = "eos"
+                break
+            if on_token is not None and on_token(token):
+                outcome.finish_reason = "stop"
+                break
+            if len(outcome.tokens) >= settings.max_new_tokens:
+                outcome.finish_reason = "length"
+                break
+            logits = forward(model, cache, [token], device, before_forward)
+        outcome.decode_seconds = time.perf_counter() - t0
+        outcome.last_logits = logits
+    return outcome

@@ -1,0 +1,38 @@
+"""From a model spec to a ``LoadedModel``: resolve, load, quantize, measure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvchat.engine.session import LoadedModel
+
+Progress = Callable[[str], None]
+
+
+def load(
+    spec: str,
+    *,
+    device: str = "auto",
+    dtype: str = "float32",
+    weights: str = "none",
+    progress: Progress | None = None,
+) -> LoadedModel:
+    """Resolve ``spec`` (alias, repo id, directory or .gguf) and load it ready to chat."""
+    from kvchat.engine.footprint import footprint_from_config
+    from kvchat.engine.models import load_model, resolve_model, weights_nbytes
+
+    say = progress or (lambda _msg: None)
+    resolved = resolve_model(spec, progress=say)
+    say(f"loading {resolved.name} from {resolved.path}")
+    model, tokenizer = load_model(resolved, device=device, dtype=dtype, weights=weights)
+    param = next(model.parameters())
+    dtype_name = str(getattr(model, "dtype", param.dtype)).removeprefix("torch.")
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=resolved.name,
+        device=param.device,
+        dtype=dtype_name,
+        weights_bytes=weights_nbytes(model),
+        footprint=footprint_from_config(model.config, dtype_name),
+    )

