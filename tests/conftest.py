@@ -28,3 +28,26 @@ def smollm2(smollm2_dir: Path) -> tuple[Any, Any]:
 
     resolved = ResolvedModel(smollm2_dir, "smollm2-135m", "pypi", chat_template=True)
     return load_model(resolved, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded(smollm2_dir: Path):
+    """SmolLM2 as the engine holds it (``LoadedModel``), fp32 on CPU. Do not mutate."""
+    from kvchat.engine.loader import load
+
+    return load(str(smollm2_dir), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded_bf16(smollm2_dir: Path):
+    from kvchat.engine.loader import load
+
+    return load(str(smollm2_dir), device="cpu", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def gemma270m_loaded():
+    """Gemma 3 270M (base model, no chat template) from the PyPI chunk wheels, fp32."""
+    from kvchat.engine.loader import load
+
+    return load("gemma-3-270m", device="cpu", dtype="float32")

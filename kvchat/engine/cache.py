@@ -47,6 +47,13 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in storage of its own size, so a kept slice never pins a whole chunk's tensor."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == _nbytes(t):
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
 @dataclass
 class _Call:
     """Residual rows of one original forward call at one layer."""
@@ -137,7 +144,7 @@ class KVDirectLayer(CacheLayerMixin):
                     f"layer {self.layer_idx}: no residual captured for this call; "
                     "was the cache attached to the model (KVDirectCache.attach)?"
                 )
-            self.calls.append(_Call(start, residual))
+            self.calls.append(_Call(start, _compact(residual)))
             self.pending_residual = None
 
         # Positions attention needs now: everything (full layer) or the last window - 1
@@ -149,10 +156,8 @@ class KVDirectLayer(CacheLayerMixin):
             cold_k, cold_v = self._recompute(visible_from, hot_from)
             parts_k.append(cold_k)
             parts_v.append(cold_v)
-        hot_k, hot_v = self.keys, self.values
-        if self.form == "kv" or not parts_k:
-            hot_k = hot_k[..., max(0, visible_from - hot_from) :, :]
-            hot_v = hot_v[..., max(0, visible_from - hot_from) :, :]
+        skip = max(0, visible_from - hot_from)  # hot tokens a sliding layer can no longer see
+        hot_k, hot_v = self.keys[..., skip:, :], self.values[..., skip:, :]
         full_k = torch.cat([*parts_k, hot_k, key_states], dim=-2)
         full_v = torch.cat([*parts_v, hot_v, value_states], dim=-2)
         if parts_k:
@@ -161,12 +166,7 @@ class KVDirectLayer(CacheLayerMixin):
             stats.scratch_peak_bytes = max(stats.scratch_peak_bytes, scratch)
 
         self.cumulative_length = start + new_len
-        self._retain(
-            hot_k if not parts_k else self.keys,
-            hot_v if not parts_k else self.values,
-            key_states,
-            value_states,
-        )
+        self._retain(hot_k, hot_v, key_states, value_states)
         return full_k, full_v
 
     # -- internals -----------------------------------------------------------------------
@@ -191,11 +191,13 @@ class KVDirectLayer(CacheLayerMixin):
         keep = self._keep_hot()
         new_len = key_states.shape[-2]
         if keep <= 0:
-            self.keys = key_states[..., :0, :]
-            self.values = value_states[..., :0, :]
+            self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
+            self.values = value_states.new_empty(
+                (*value_states.shape[:2], 0, value_states.shape[-1])
+            )
         elif keep <= new_len:
-            self.keys = key_states[..., new_len - keep :, :].contiguous()
-            self.values = value_states[..., new_len - keep :, :].contiguous()
+            self.keys = _compact(key_states[..., new_len - keep :, :])
+            self.values = _compact(value_states[..., new_len - keep :, :])
         else:
             old_keep = min(keep - new_len, hot_k.shape[-2])
             self.keys = torch.cat([hot_k[..., hot_k.shape[-2] - old_keep :, :], key_states], dim=-2)

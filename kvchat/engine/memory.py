@@ -31,6 +31,15 @@ def _standard_cache_bytes(cache: Any) -> int:
     return total
 
 
+def _checkpoint_label(session: ChatSession) -> str | None:
+    settings = session.cache_settings
+    if settings.kind != "kvdirect":
+        return None
+    if settings.max_mem is None and settings.hot_window is None:
+        return "none (no --max-mem: nothing is evicted)"
+    return settings.checkpoint
+
+
 def snapshot(session: ChatSession) -> dict[str, Any]:
     """Everything the CLI memory line, ``--json`` and the UI gauge show."""
     cache = session.cache
@@ -54,7 +63,7 @@ def snapshot(session: ChatSession) -> dict[str, Any]:
     state = hot + ckpt + scratch + token_bytes
     return {
         "cache": settings.kind,
-        "checkpoint": settings.checkpoint if settings.kind == "kvdirect" else None,
+        "checkpoint": _checkpoint_label(session),
         "tokens": n_tokens,
         "hot_tokens": hot_tokens,
         "checkpointed_tokens": max(0, n_tokens - hot_tokens),

@@ -99,7 +99,11 @@ class ChatSession:
             from kvchat.engine.cache import KVDirectCache
             from kvchat.engine.planner import Planner, choose_forms
 
-            forms = choose_forms(self.loaded.footprint, settings.checkpoint)
+            if settings.max_mem is None and settings.hot_window is None:
+                # Nothing can ever be evicted: checkpoints would be pure overhead.
+                forms = ["kv"] * self.loaded.footprint.num_layers
+            else:
+                forms = choose_forms(self.loaded.footprint, settings.checkpoint)
             self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window)
             self.cache.attach()
             self.planner = Planner(

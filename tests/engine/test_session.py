@@ -1,0 +1,116 @@
+"""The chat engine on the real default model: answers, streaming, cancel, multi-turn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvchat.engine.generate import generate
+from kvchat.engine.session import ChatSession
+from kvchat.engine.settings import CacheSettings, SamplingSettings
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingSettings(max_new_tokens=24)
+
+
+def test_answers_the_capital_of_france(smollm2_loaded):
+    session = ChatSession(smollm2_loaded)
+    result = session.send("What is the capital of France?", GREEDY)
+    assert "Paris" in result.reply
+    assert result.finish_reason in ("eos", "length")
+
+
+def test_streams_the_reply_in_pieces(smollm2_loaded):
+    pieces: list[str] = []
+    session = ChatSession(smollm2_loaded, system="You are a helpful assistant.")
+    result = session.send("Name three colors.", GREEDY, on_text=pieces.append)
+    assert len(pieces) > 3
+    assert "".join(pieces).strip() == result.reply.strip()
+
+
+def test_cancel_keeps_what_was_said_and_the_next_turn_works(smollm2_loaded):
+    session = ChatSession(smollm2_loaded)
+    seen: list[str] = []
+    result = session.send(
+        "Write a long story about a dragon.",
+        SamplingSettings(max_new_tokens=200),
+        on_text=seen.append,
+        should_stop=lambda: len(seen) >= 5,
+    )
+    assert result.finish_reason == "cancelled"
+    assert 5 <= len(result.tokens) < 200
+    assert session.messages[-1] == {"role": "assistant", "content": result.reply}
+    assert result.reply.strip() and result.reply.strip() == "".join(seen).strip()
+    assert session.cache.get_seq_length() == len(session.token_ids)
+    follow = session.send("What is the capital of France?", GREEDY)
+    assert "Paris" in follow.reply
+
+
+def test_multi_turn_continuation_equals_one_reprefill_of_the_history(smollm2_loaded):
+    session = ChatSession(smollm2_loaded)
+    for prompt in ("What is the capital of France?", "And of Germany?"):
+        first = session.send(prompt, GREEDY)
+        assert not first.fell_back_to_full_prefill
+    last = session.send("Which of the two is larger?", GREEDY)
+    assert not last.fell_back_to_full_prefill
+    assert last.prompt_tokens < len(session.token_ids) // 2  # only the new part was fed
+    history = session.token_ids[: len(session.token_ids) - len(last.tokens)]
+    fresh = generate(
+        smollm2_loaded.model,
+        DynamicCache(config=smollm2_loaded.model.config),
+        history,
+        device=torch.device("cpu"),
+        settings=GREEDY,
+        stop_ids=session.stop_ids(),
+        prefill_chunk=len(history),
+    )
+    assert fresh.tokens == last.tokens
+
+
+def _three_turns(loaded, cache: CacheSettings, sampling: SamplingSettings):
+    session = ChatSession(loaded, cache=cache)
+    prompts = (
+        "Tell me about the history of Rome in a few sentences.",
+        "Now summarise that in one line.",
+        "List three Roman emperors.",
+    )
+    replies = [session.send(p, sampling).tokens for p in prompts]
+    session.close()
+    return replies, session
+
+
+@pytest.mark.parametrize("hot", [1, 4, 16, 64, "half", "all"])
+def test_kvdirect_equals_standard_cache_at_every_budget(smollm2_loaded, hot):
+    sampling = SamplingSettings(max_new_tokens=40)
+    ref, ref_session = _three_turns(smollm2_loaded, CacheSettings(kind="standard"), sampling)
+    total = len(ref_session.token_ids)
+    assert sum(map(len, ref)) >= 64
+    window = {"half": total // 2, "all": total + 10}.get(hot, hot)
+    ours, session = _three_turns(
+        smollm2_loaded, CacheSettings(hot_window=window, prefill_chunk=32), sampling
+    )
+    assert ours == ref
+    if window < 64:
+        assert session.cache.stats.recomputed_tokens > 0
+
+
+def test_bf16_kvdirect_equals_standard_cache(smollm2_loaded_bf16):
+    sampling = SamplingSettings(max_new_tokens=24)
+    ref, _ = _three_turns(smollm2_loaded_bf16, CacheSettings(kind="standard"), sampling)
+    ours, session = _three_turns(smollm2_loaded_bf16, CacheSettings(hot_window=8), sampling)
+    assert ours == ref and session.cache.stats.recomputed_tokens > 0
+
+
+def test_seeded_sampling_gives_identical_text(smollm2_loaded):
+    sampling = SamplingSettings(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=24)
+    ref, _ = _three_turns(smollm2_loaded, CacheSettings(kind="standard"), sampling)
+    ours, _ = _three_turns(smollm2_loaded, CacheSettings(hot_window=4), sampling)
+    assert ours == ref
+    other, _ = _three_turns(
+        smollm2_loaded,
+        CacheSettings(hot_window=4),
+        SamplingSettings(temperature=0.9, top_p=0.95, seed=8, max_new_tokens=24),
+    )
+    assert other != ref  # the seed matters: the test is not vacuous
