@@ -1,0 +1,68 @@
+"""--max-mem parsing, and how the planner derives the hot window from the ceiling."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvchat.engine.footprint import bundled_config_dict, config_from_dict, footprint_from_config
+from kvchat.engine.planner import Planner, choose_forms, parse_size
+from kvchat.errors import NeedsDiskTierError
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("64MB", 64_000_000),
+        ("512KiB", 512 * 1024),
+        ("1.5GB", 1_500_000_000),
+        ("2MiB", 2 * 2**20),
+        ("4096", 4096),
+        ("10 kb", 10_000),
+        ("3G", 3_000_000_000),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "MB", "-1MB", "12XB", "1.2.3MB"])
+def test_parse_size_rejects_nonsense_with_a_hint(bad):
+    with pytest.raises(ValueError, match="64MB"):
+        parse_size(bad)
+
+
+def smollm2_planner(ceiling, checkpoint="residual"):
+    fp = footprint_from_config(config_from_dict(bundled_config_dict("smollm2-135m")), "float32")
+    return Planner(fp, choose_forms(fp, checkpoint), ceiling, prefill_chunk=256), fp
+
+
+def test_no_eviction_while_everything_fits():
+    planner, _ = smollm2_planner(64 * 2**20)
+    assert planner.hot_window_for(100) is None
+
+
+def test_hot_window_shrinks_as_the_conversation_grows_and_always_fits():
+    ceiling = 64 * 2**20
+    planner, _ = smollm2_planner(ceiling)
+    windows = [planner.hot_window_for(n) for n in (600, 700, 800, 900)]
+    assert all(w is not None for w in windows)
+    assert windows == sorted(windows, reverse=True) and windows[0] > windows[-1]
+    for n, w in zip((600, 700, 800, 900), windows):
+        assert planner.estimate(n, w).total <= ceiling < planner.estimate(n, w + 1).total
+
+
+def test_checkpoints_over_the_ceiling_ask_for_the_disk_tier():
+    planner, _ = smollm2_planner(2 * 10**6)
+    with pytest.raises(NeedsDiskTierError) as err:
+        planner.hot_window_for(2000)
+    message = str(err.value)
+    assert "\n" not in message and "--max-mem" in message
+
+
+def test_auto_picks_kv_for_gqa_and_residual_for_mha():
+    _, fp = smollm2_planner(None)
+    assert set(choose_forms(fp, "auto")) == {"kv"}
+    gpt2 = footprint_from_config(config_from_dict(bundled_config_dict("gpt2")), "float32")
+    assert set(choose_forms(gpt2, "auto")) == {"residual"}
+    with pytest.raises(ValueError):
+        choose_forms(fp, "bogus")

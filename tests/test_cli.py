@@ -1,0 +1,121 @@
+"""The headless CLI contract: `kvchat run`, `models`, `inspect`, errors, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def kvchat(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvchat.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+def test_help_is_instant_and_imports_no_torch():
+    start = time.perf_counter()
+    out = kvchat("--help")
+    assert out.returncode == 0 and "run" in out.stdout
+    assert time.perf_counter() - start < 3  # the interpreter itself takes most of it
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, kvchat.cli; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+    )
+    assert probe.stdout.strip() == "False"
+
+
+def test_inspect_prints_the_per_layer_table():
+    out = kvchat("inspect", "smollm2-135m")
+    assert out.returncode == 0
+    assert "23,040" in out.stdout or "22.5 KiB" in out.stdout
+    data = json.loads(kvchat("inspect", "gemma-3-4b", "--json").stdout)
+    assert len(data["layers"]) == 34
+
+
+def test_models_lists_aliases():
+    out = kvchat("models")
+    assert out.returncode == 0
+    for alias in ("gemma-3-4b", "smollm2-135m", "phi-3-mini", "qwen2.5-0.5b"):
+        assert alias in out.stdout
+
+
+def test_unknown_model_is_one_clear_line(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)}
+    out = kvchat("run", "--model", "nobody/no-such-model", "--prompt", "hi", env=env)
+    assert out.returncode == 1
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvchat: error:")
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_size_is_rejected():
+    out = kvchat("run", "--max-mem", "lots", "--prompt", "hi")
+    assert out.returncode == 2 and "64MB" in out.stderr
+
+
+@pytest.mark.slow
+def test_run_json_contract_two_turns(smollm2_dir):
+    out = kvchat(
+        "run", "--model", str(smollm2_dir), "--json", "--max-new-tokens", "20",
+        "--prompt", "What is the capital of France?", "--prompt", "And of Italy?",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    turns = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [t["turn"] for t in turns] == [1, 2]
+    assert "Paris" in turns[0]["reply"] and "Rome" in turns[1]["reply"]
+    for t in turns:
+        assert t["tokens"] and all(isinstance(i, int) for i in t["tokens"])
+        assert {"state_bytes", "standard_equivalent_bytes", "hot_tokens"} <= set(t["memory"])
+
+
+@pytest.mark.slow
+def test_memory_line_and_standard_cache_give_the_same_tokens(smollm2_dir):
+    common = ["run", "--model", str(smollm2_dir), "--max-new-tokens", "30",
+              "--prompt", "Tell me about the sea.", "--prompt", "And rivers?"]  # fmt: skip
+    ours = kvchat(*common, "--max-mem", "10MB", "--prefill-chunk", "16")
+    assert ours.returncode == 0, ours.stderr
+    mem_lines = [line for line in ours.stderr.splitlines() if line.startswith("[mem]")]
+    assert len(mem_lines) == 2
+    assert "/ 9.5 MiB ceiling" in mem_lines[0] and "checkpointed" in mem_lines[0]
+    standard = kvchat(*common, "--cache", "standard")
+    assert standard.returncode == 0
+    assert ours.stdout == standard.stdout
+    js = kvchat(*common, "--max-mem", "10MB", "--prefill-chunk", "16", "--json")
+    memory = json.loads(js.stdout.splitlines()[-1])["memory"]
+    assert memory["checkpointed_tokens"] > 0 and memory["state_bytes"] <= 10_000_000
+
+
+@pytest.mark.slow
+def test_ceiling_too_small_is_one_clear_line(smollm2_dir):
+    out = kvchat("run", "--model", str(smollm2_dir), "--max-mem", "100KB", "--prompt", "Hi there")
+    assert out.returncode == 1
+    assert "--max-mem" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_reply_cleanly(smollm2_dir):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvchat.cli", "run", "--model", str(smollm2_dir),
+         "--max-new-tokens", "400", "--prompt", "Write a very long story about a ship."],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    got = ""
+    deadline = time.time() + 120
+    while len(got.split()) < 5 and time.time() < deadline:
+        got += proc.stdout.read(1)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert (got + rest).rstrip().endswith("[stopped]")
+    assert "Traceback" not in err and "[mem]" in err

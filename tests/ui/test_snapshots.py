@@ -1,0 +1,53 @@
+"""Snapshots of the main screen and the comparison panel at 80x24 and 160x48.
+
+Deterministic: the fake engine's figures depend on token counts only, RSS is a fixed number,
+tokens per second are canned, the cursor does not blink. Update with
+``pytest tests/ui/test_snapshots.py --snapshot-update`` and look at the SVGs before committing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvchat.ui.app import KvchatApp
+from tests.ui.fakes import FakeBackend
+from tests.ui.helpers import ready, send
+
+SIZES = [(80, 24), (160, 48)]
+MARKDOWN_REPLY = (
+    "The capital of France is **Paris**.\n\n"
+    "- about 2.1 million people\n"
+    "- on the Seine\n\n"
+    "Ask me about `another` city."
+)
+
+
+def app_for_snapshot() -> KvchatApp:
+    return KvchatApp(FakeBackend(reply=MARKDOWN_REPLY))
+
+
+async def _chat(pilot, turns: int) -> None:
+    await ready(pilot)
+    pilot.app.prompt.cursor_blink = False
+    questions = ["What is the capital of France?", "And how many people live there?"]
+    for i in range(turns):
+        await send(pilot, questions[i % 2] if i < 2 else f"Question number {i + 1}?")
+    await pilot.pause()
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_main_screen(snap_compare, size):
+    async def run_before(pilot) -> None:
+        await _chat(pilot, 2)
+
+    assert snap_compare(app_for_snapshot(), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_comparison_panel(snap_compare, size):
+    async def run_before(pilot) -> None:
+        await _chat(pilot, 6)
+        await pilot.press("f3")
+        await pilot.pause()
+
+    assert snap_compare(app_for_snapshot(), terminal_size=size, run_before=run_before)
