@@ -20,16 +20,24 @@ NEW_PER_TURN = 22  # 66 generated in all
 CHUNK = 16
 
 
-def run_conversation(model, cache, *, seed: int = 1, new_per_turn: int = NEW_PER_TURN):
-    """Three turns of random 'user' tokens, greedy replies; returns tokens and logits."""
+def run_conversation(
+    model,
+    cache,
+    *,
+    seed: int = 1,
+    new_per_turn: int = NEW_PER_TURN,
+    turn_lengths: tuple[int, ...] = TURN_LENGTHS,
+    chunk: int = CHUNK,
+):
+    """Turns of random 'user' tokens, greedy replies; returns tokens and logits."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.get_text_config().vocab_size
     tokens, logits_seen = [], []
     pending: list[int] = []
     with torch.inference_mode():
-        for n_user in TURN_LENGTHS:
+        for n_user in turn_lengths:
             user = torch.randint(0, vocab, (n_user,), generator=gen).tolist()
-            logits = prefill(model, cache, pending + user, torch.device("cpu"), CHUNK)
+            logits = prefill(model, cache, pending + user, torch.device("cpu"), chunk)
             logits_seen.append(logits.clone())
             for step in range(new_per_turn):
                 token = int(torch.argmax(logits))

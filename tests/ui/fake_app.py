@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from kvchat.ui.app import KvchatApp
-from tests.ui.fakes import FakeBackend
+from tests.ui.fakes import SAMPLE_CONVERSATIONS, SAMPLE_SAVED, FakeBackend
 
 
 def make_app(**kwargs) -> KvchatApp:
@@ -18,4 +18,6 @@ def make_app(**kwargs) -> KvchatApp:
 
 if __name__ == "__main__":
     delay = float(sys.argv[sys.argv.index("--delay") + 1]) if "--delay" in sys.argv else 0.05
-    make_app(delay=delay, load_delay=1.0).run()
+    make_app(
+        delay=delay, load_delay=1.0, conversations=SAMPLE_CONVERSATIONS, saved=SAMPLE_SAVED
+    ).run()

@@ -200,3 +200,19 @@ async def test_footer_shows_the_keys_and_stop_only_while_replying(make_app):
         await wait_until(pilot, lambda: app.busy)
         assert "escape" in shown()
         await wait_until(pilot, lambda: not app.busy)
+
+
+async def test_commands_that_would_drop_a_streaming_reply_wait(make_app):
+    app = make_app(delay=0.05)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        seen = record_notifications(app)
+        app.prompt.load_text("hi")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.busy)
+        for text in ("/clear", "/new", "/resume x", "/model other"):
+            await command(pilot, text)
+            assert seen[-1][1] == "warning" and "esc" in seen[-1][0], text
+        assert app.busy and app.backend.new_count == 0
+        await wait_until(pilot, lambda: not app.busy)
+        assert texts(app)[-1][0] == "assistant"

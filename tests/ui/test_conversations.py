@@ -5,53 +5,13 @@ from __future__ import annotations
 import pytest
 from textual.widgets import OptionList
 
-from kvchat.ui.backend import ResumedConversation
 from kvchat.ui.screens.conversations import ConversationsScreen
-from tests.ui.fakes import fake_memory
+from tests.ui.fakes import CORRUPTED
+from tests.ui.fakes import SAMPLE_CONVERSATIONS as ROWS
+from tests.ui.fakes import SAMPLE_SAVED as SAVED
 from tests.ui.helpers import ready, record_notifications, send, texts, wait_until
 
 pytestmark = pytest.mark.anyio
-
-CORRUPTED = (
-    "segment turn-0002.safetensors of conversation 20261130-101500-beef is corrupted "
-    "(checksum mismatch); export the text with `kvchat export 20261130-101500-beef`"
-)
-ROWS = [
-    {
-        "id": "20261130-120000-abcd",
-        "title": "Capital cities",
-        "model": "smollm2-135m",
-        "turns": 2,
-        "tokens": 120,
-        "bytes_on_disk": 300_000,
-        "last_used": "2026-11-30T12:05+00:00",
-        "error": None,
-    },
-    {
-        "id": "20261130-101500-beef",
-        "title": "Broken one",
-        "model": "smollm2-135m",
-        "turns": 3,
-        "tokens": 200,
-        "bytes_on_disk": 500_000,
-        "last_used": "2026-11-30T10:20+00:00",
-        "error": CORRUPTED,
-    },
-]
-SAVED = {
-    "20261130-120000-abcd": ResumedConversation(
-        id="20261130-120000-abcd",
-        title="Capital cities",
-        messages=[
-            {"role": "user", "content": "What is the capital of France?"},
-            {"role": "assistant", "content": "The capital of France is Paris."},
-            {"role": "user", "content": "And of Italy?"},
-            {"role": "assistant", "content": "Rome."},
-        ],
-        memory_history=[fake_memory(50, 64 * 10**6, 1), fake_memory(120, 64 * 10**6, 2)],
-        system="Be brief.",
-    )
-}
 
 
 async def test_list_and_resume_shows_the_history(make_app):

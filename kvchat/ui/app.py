@@ -1,0 +1,521 @@
+"""The kvchat terminal app: chat, live memory gauge, comparison panel, saved conversations.
+
+The window appears at once; the model loads on the engine thread (see ``engine_thread.py``)
+with a progress line at the top. Everything the engine says comes back as a message
+(``messages.py``); every user error is shown as a notification or a modal with the engine's
+one-line wording, never a traceback. The app talks to the engine only through a
+:class:`~kvchat.ui.backend.Backend`, so tests drive it with a fake.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from textual import events, on
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, ProgressBar, Static
+
+from kvchat.errors import KvchatError
+from kvchat.ui import commands
+from kvchat.ui.backend import Backend, ModelView
+from kvchat.ui.engine_thread import EngineThread
+from kvchat.ui.format import fmt_bytes
+from kvchat.ui.messages import (
+    ConversationStarted,
+    EngineFailed,
+    Loaded,
+    LoadProgress,
+    MemoryUpdate,
+    ReplyChunk,
+    ReplyDone,
+)
+from kvchat.ui.screens.conversations import ConversationsScreen
+from kvchat.ui.screens.error import ErrorScreen
+from kvchat.ui.screens.help import HelpScreen
+from kvchat.ui.screens.memory import MemoryScreen
+from kvchat.ui.screens.settings import ChatSettings, SettingsScreen
+from kvchat.ui.widgets.chat_log import FINISH_NOTES, ChatLog, MessageView
+from kvchat.ui.widgets.comparison import ComparisonPanel
+from kvchat.ui.widgets.memory_gauge import MemoryGauge
+from kvchat.ui.widgets.prompt_input import PromptInput
+
+SIDE_PANEL_MIN_WIDTH = 120  # columns from which the comparison panel sits beside the chat
+MEMORY_INTERVAL = 0.2  # seconds between engine memory snapshots while a reply streams
+RSS_INTERVAL = 0.25  # seconds between process RSS readings while the engine works
+FAILURE_TITLES = {"send": "no reply", "resume": "cannot resume"}
+WELCOME = (
+    "Ask anything. The gauge below compares the conversation state kvchat keeps in memory "
+    "with the standard cache for the same tokens; f3 shows the comparison turn by turn. "
+    "/help lists the commands."
+)
+
+
+class KvchatApp(App[None]):
+    CSS_PATH = "app.tcss"
+    TITLE = "kvchat"
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", key_display="esc"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+        Binding("f1", "help", "Help"),
+        Binding("f2", "settings", "Settings"),
+        Binding("f3", "memory", "Memory"),
+        Binding("f4", "resume", "Chats"),
+        Binding("ctrl+n", "new", "New", show=False),
+        Binding("ctrl+l", "clear", "Clear", show=False),
+    ]
+
+    def __init__(self, backend: Backend, *, memory_interval: float = MEMORY_INTERVAL) -> None:
+        super().__init__()
+        self.backend = backend
+        self.launch = backend.launch
+        self.memory_interval = memory_interval
+        self.settings = ChatSettings(system=self.launch.system)
+        self._applied_system = self.launch.system
+        self.model: ModelView | None = None
+        self.phase = "loading"  # loading | ready | failed
+        self.busy = False  # a reply is streaming
+        self.turn_memory: list[dict[str, Any]] = []  # snapshot after each turn
+        self.live_memory: dict[str, Any] | None = None
+        self.load_error: str | None = None
+        self._stop = threading.Event()
+        self._reply: MessageView | None = None
+        self._engine = EngineThread()
+        self._load_note = ""
+
+    # -- layout ----------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        # Kept as attributes: the app reaches them while other screens are on top.
+        self.chat_log = ChatLog(id="chat-log")
+        self.gauge = MemoryGauge(ceiling=self.launch.max_mem, id="gauge")
+        self.prompt = PromptInput(id="prompt")
+        self.side_panel = ComparisonPanel(id="side-panel")
+        self.status_text = Static(id="status-text", markup=False)
+        self.load_progress = ProgressBar(id="load-progress", show_eta=False, show_percentage=False)
+        with Horizontal(id="status"):
+            yield self.status_text
+            yield self.load_progress
+        with Horizontal(id="body"):
+            with Vertical(id="chat-column"):
+                yield self.chat_log
+                yield self.gauge
+                yield self.prompt
+            yield self.side_panel
+        yield Footer(compact=True)
+
+    async def on_mount(self) -> None:
+        self._fit_side_panel(self.size.width)
+        await self.chat_log.add("note", WELCOME)
+        self._show_status()
+        self.prompt.focus()
+        self.set_interval(RSS_INTERVAL, self._poll_rss)
+        self._load(None)
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._fit_side_panel(event.size.width)
+
+    def _fit_side_panel(self, width: int) -> None:
+        self.side_panel.display = width >= SIDE_PANEL_MIN_WIDTH
+
+    # -- status line -----------------------------------------------------------------------
+    def _show_status(self) -> None:
+        launch = self.launch
+        ceiling = f"max-mem {fmt_bytes(launch.max_mem)}" if launch.max_mem else "no ceiling"
+        if self.phase == "loading":
+            text = f"loading… {self._load_note}" if self._load_note else f"loading {launch.model}…"
+        elif self.phase == "failed":
+            text = f"not loaded: {launch.model} · /model NAME tries another"
+        else:
+            m = self.model
+            state = "● replying (esc stops)" if self.busy else "ready"
+            where = f" · {m.device} {m.dtype}" if m and m.dtype else ""
+            name = m.name if m else launch.model
+            text = f"{state} │ {name}{where} · {launch.cache_kind} · {ceiling}"
+        self.status_text.update(f" kvchat · {text}")
+        self.load_progress.display = self.phase == "loading"
+
+    def _set_busy(self, busy: bool) -> None:
+        self.busy = busy
+        self.gauge.live = busy
+        self._show_status()
+        self.refresh_bindings()
+
+    # -- loading ---------------------------------------------------------------------------
+    def _load(self, spec: str | None) -> None:
+        self.phase = "loading"
+        self._load_note = ""
+        self._show_status()
+        post = self.post_message
+
+        def job() -> None:
+            try:
+                model = self.backend.load(lambda text: post(LoadProgress(text)), spec)
+                memory = self.backend.memory()
+            except KvchatError as exc:
+                post(EngineFailed("load", str(exc)))
+            except Exception as exc:  # shown in one line, never a traceback
+                post(EngineFailed("load", f"could not load the model: {_one_line(exc)}"))
+            else:
+                post(Loaded(model))
+                post(MemoryUpdate(memory))
+
+        self._engine.submit(job)
+
+    def on_load_progress(self, message: LoadProgress) -> None:
+        self._load_note = message.text
+        self._show_status()
+
+    def on_loaded(self, message: Loaded) -> None:
+        self.model = message.model
+        self.phase = "ready"
+        self.load_error = None
+        self.gauge.weights = message.model.weights_bytes
+        self._show_status()
+
+    # -- sending ---------------------------------------------------------------------------
+    @on(PromptInput.Submitted)
+    async def submitted(self, event: PromptInput.Submitted) -> None:
+        text = event.text
+        try:
+            parsed = commands.parse(text)
+        except ValueError as exc:
+            self.notify(str(exc), title="command", severity="error")
+            return
+        if parsed is not None:
+            command, arg = parsed
+            self.prompt.accept(text)
+            await self.run_command(command, arg)
+            return
+        if text.startswith("//"):
+            text = text[1:]
+        if not self._can_talk("send a message"):
+            return
+        self.prompt.accept(event.text)
+        await self.chat_log.add("user", text)
+        self._reply = await self.chat_log.add("assistant", label=self._model_label())
+        self._reply.set_meta("…")
+        self._stop.clear()
+        self._set_busy(True)
+        self._send(text, self.settings.copy())
+
+    def _model_label(self) -> str:
+        return self.model.name if self.model else "assistant"
+
+    def _can_talk(self, doing: str) -> bool:
+        """Whether the engine is free; if not, say why (the message stays in the box)."""
+        if self.phase == "loading":
+            self.notify(f"the model is still loading; {doing} when it is ready", severity="warning")
+            return False
+        if self.phase == "failed":
+            self.notify(
+                "no model is loaded; /model NAME loads one (`kvchat models` lists them)",
+                severity="error",
+            )
+            return False
+        if self.busy:
+            self.notify(
+                f"a reply is streaming; press esc to stop it, then {doing}", severity="warning"
+            )
+            return False
+        return True
+
+    def _send(self, text: str, settings: ChatSettings) -> None:
+        post = self.post_message
+        backend = self.backend
+        interval = self.memory_interval
+        stop = self._stop
+        system_changed = settings.system != self._applied_system
+        self._applied_system = settings.system
+
+        def job() -> None:
+            last = time.monotonic()
+
+            def on_text(chunk: str) -> None:
+                nonlocal last
+                post(ReplyChunk(chunk))
+                now = time.monotonic()
+                if now - last >= interval:
+                    last = now
+                    try:
+                        post(MemoryUpdate(backend.memory()))
+                    except Exception:  # a missed reading must not end the reply
+                        pass
+
+            try:
+                if system_changed:
+                    backend.set_system(settings.system)
+                turn = backend.send(
+                    text, settings.sampling, on_text=on_text, should_stop=stop.is_set
+                )
+            except KvchatError as exc:
+                post(EngineFailed("send", str(exc)))
+            except Exception as exc:  # never a traceback
+                post(EngineFailed("send", f"the reply failed: {_one_line(exc)}"))
+            else:
+                post(ReplyDone(turn))
+
+        self._engine.submit(job)
+
+    async def on_reply_chunk(self, message: ReplyChunk) -> None:
+        if self._reply is not None:
+            await self._reply.append(message.text)
+
+    def on_memory_update(self, message: MemoryUpdate) -> None:
+        if self.busy:
+            self.live_memory = message.memory
+        self.gauge.show(message.memory)
+        self._refresh_panels()
+
+    async def on_reply_done(self, message: ReplyDone) -> None:
+        turn = message.turn
+        if self._reply is not None:
+            notes = [f"{turn.tokens} tokens", f"{turn.tokens_per_second:.1f} tok/s"]
+            if FINISH_NOTES.get(turn.finish_reason):
+                notes.append(FINISH_NOTES[turn.finish_reason])
+            await self._reply.finish(turn.reply, " · ".join(notes))
+        self._reply = None
+        self.turn_memory.append(turn.memory)
+        self.live_memory = None
+        self.gauge.show(turn.memory)
+        self._set_busy(False)
+        self._refresh_panels()
+
+    def on_engine_failed(self, message: EngineFailed) -> None:
+        if message.what == "load":
+            self.phase = "failed"
+            self.load_error = message.message
+            self.model = None
+            self._show_status()
+            self.push_screen(
+                ErrorScreen("the model could not be loaded", message.message), self._after_error
+            )
+            return
+        title = FAILURE_TITLES.get(message.what, message.what)
+        self.notify(message.message, title=title, severity="error", timeout=12)
+        if message.what == "send":
+            if self._reply is not None:
+                if self._reply.text:
+                    self._reply.set_meta("failed")
+                else:
+                    self._reply.remove()
+            self._reply = None
+            self.live_memory = None
+            self._set_busy(False)
+
+    def _after_error(self, choice: str | None) -> None:
+        if choice == "quit":
+            self.exit()
+
+    def _refresh_panels(self) -> None:
+        self.side_panel.set_data(self.turn_memory, self.live_memory)
+        for screen in self.screen_stack:
+            if isinstance(screen, MemoryScreen):
+                screen.update(self.turn_memory, self.live_memory)
+
+    def _poll_rss(self) -> None:
+        try:
+            rss = self.backend.process_rss()
+        except Exception:  # a missing reading is not worth an error
+            return
+        if rss is not None:
+            self.gauge.rss = rss
+
+    # -- commands --------------------------------------------------------------------------
+    async def run_command(self, command: commands.SlashCommand, arg: str = "") -> None:
+        """Run a slash command's action; commands that take an argument get it."""
+        handler: Callable[..., Any] = getattr(self, f"action_{command.action}")
+        result = handler(arg) if command.args else handler()
+        if inspect.isawaitable(result):
+            await result
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":
+            # Only on the chat screen: elsewhere esc closes the screen on top.
+            return self.busy and len(self.screen_stack) == 1
+        return True
+
+    def action_stop(self) -> None:
+        if self.busy:
+            self._stop.set()
+            if self._reply is not None:
+                self._reply.set_meta("stopping…")
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_memory(self) -> None:
+        if not isinstance(self.screen, MemoryScreen):
+            self.push_screen(MemoryScreen(self.turn_memory, self.live_memory))
+
+    def action_settings(self) -> None:
+        self.push_screen(SettingsScreen(self.settings.copy()), self._settings_saved)
+
+    def _settings_saved(self, settings: ChatSettings | None) -> None:
+        if settings is not None:
+            self.settings = settings
+            self.notify("settings saved for this conversation", timeout=3)
+
+    def action_system(self, text: str = "") -> None:
+        self.settings.system = text or None
+        note = f"system prompt: {text}" if text else "system prompt removed"
+        self.notify(note, timeout=3)
+
+    async def action_clear(self) -> None:
+        if self.busy:
+            self.notify(
+                "a reply is streaming; press esc to stop it, then clear", severity="warning"
+            )
+            return
+        await self.chat_log.clear()
+
+    async def action_new(self) -> None:
+        if not self._can_talk("start a new conversation"):
+            return
+        system = self.launch.system
+        post = self.post_message
+
+        def job() -> None:
+            try:
+                self.backend.new_conversation(system)
+                memory = self.backend.memory()
+            except KvchatError as exc:
+                post(EngineFailed("new conversation", str(exc)))
+            except Exception as exc:  # never a traceback
+                post(EngineFailed("new conversation", _one_line(exc)))
+            else:
+                post(ConversationStarted())
+                post(MemoryUpdate(memory))
+
+        self._engine.submit(job)
+
+    def action_resume(self, conv_id: str = "") -> None:
+        if conv_id:
+            self._open(conv_id)
+        else:
+            self.push_screen(ConversationsScreen(self.backend.list_conversations), self._picked)
+
+    def _picked(self, conv_id: str | None) -> None:
+        if conv_id:
+            self._open(conv_id)
+
+    def _open(self, conv_id: str) -> None:
+        if not self._can_talk("resume a conversation"):
+            return
+        post = self.post_message
+
+        def job() -> None:
+            try:
+                resumed = self.backend.open_conversation(conv_id)
+                memory = self.backend.memory()
+            except KvchatError as exc:
+                post(EngineFailed("resume", str(exc)))
+            except Exception as exc:  # never a traceback
+                post(EngineFailed("resume", f"cannot resume {conv_id}: {_one_line(exc)}"))
+            else:
+                post(ConversationStarted(resumed))
+                post(MemoryUpdate(memory))
+
+        self._engine.submit(job)
+
+    async def on_conversation_started(self, message: ConversationStarted) -> None:
+        await self.chat_log.clear()
+        resumed = message.resumed
+        self.live_memory = None
+        if resumed is None:
+            self.settings = ChatSettings(system=self.launch.system)
+            self.turn_memory = []
+            await self.chat_log.add("note", "new conversation")
+        else:
+            self.settings = ChatSettings(system=resumed.system)
+            self.turn_memory = list(resumed.memory_history)
+            await self.chat_log.add("note", f"resumed {resumed.title or resumed.id}")
+            for m in resumed.messages:
+                if m["role"] == "user":
+                    await self.chat_log.add("user", m["content"])
+                elif m["role"] == "assistant":
+                    await self.chat_log.add("assistant", m["content"], label=self._model_label())
+        self._applied_system = self.settings.system
+        self._refresh_panels()
+
+    async def action_model(self, spec: str = "") -> None:
+        if spec:
+            if self.busy:
+                self.notify("a reply is streaming; press esc first", severity="warning")
+                return
+            if self.phase == "loading":
+                self.notify("a model is already loading", severity="warning")
+                return
+            await self.chat_log.clear()
+            await self.chat_log.add("note", f"loading {spec}; the conversation starts afresh")
+            self.model = None
+            self.turn_memory = []
+            self.live_memory = None
+            self.launch.model = spec
+            self._refresh_panels()
+            self._load(spec)
+            return
+        await self.chat_log.add("note", self._model_summary())
+
+    def _model_summary(self) -> str:
+        launch = self.launch
+        ceiling = fmt_bytes(launch.max_mem) if launch.max_mem else "none"
+        if self.model is None:
+            state = "loading" if self.phase == "loading" else f"not loaded ({self.load_error})"
+            return f"model {launch.model}: {state}\ncache {launch.cache_kind} · max-mem {ceiling}"
+        m = self.model
+        template = "chat template" if m.chat_template else "no chat template (plain completion)"
+        return (
+            f"model {m.name} · {m.dtype} on {m.device} · weights {fmt_bytes(m.weights_bytes)} · "
+            f"{template}\ncache {launch.cache_kind} · max-mem {ceiling}\n"
+            "/model NAME loads another model (alias, repo id, directory or .gguf)"
+        )
+
+    # -- command palette -------------------------------------------------------------------
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield SystemCommand(
+            "New conversation", "Start a new conversation (ctrl+n)", self.action_new
+        )
+        yield SystemCommand(
+            "Resume a conversation", "List saved conversations (f4)", self.action_resume
+        )
+        yield SystemCommand(
+            "Memory comparison",
+            "kvchat vs the standard cache, turn by turn (f3)",
+            self.action_memory,
+        )
+        yield SystemCommand("Settings", "System prompt and sampling (f2)", self.action_settings)
+        yield SystemCommand("Model", "Show the loaded model", self.action_model)
+        yield SystemCommand("Clear screen", "Clear the messages on screen", self.action_clear)
+        if self.busy:
+            yield SystemCommand(
+                "Stop the reply", "End the reply, keep what was said", self.action_stop
+            )
+        yield SystemCommand("Help", "Keys and slash commands (f1)", self.action_help)
+        yield from super().get_system_commands(screen)
+
+    # -- shutdown --------------------------------------------------------------------------
+    async def action_quit(self) -> None:
+        self._stop.set()  # a streaming reply ends at the next token
+        self.exit()
+
+    def on_unmount(self) -> None:
+        self._stop.set()
+        self._engine.shutdown()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def run_app(opts: dict[str, Any]) -> None:
+    """Entry point of ``kvchat`` / ``kvchat chat``: ``opts`` are the click options."""
+    from kvchat.ui.engine_backend import EngineBackend
+
+    KvchatApp(EngineBackend(opts)).run()

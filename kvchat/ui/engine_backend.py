@@ -1,0 +1,152 @@
+"""The real engine behind the app: a :class:`~kvchat.engine.session.ChatSession`.
+
+Everything heavy (torch, transformers, the storage layer, which imports torch) is imported
+inside the methods, which the app runs in worker threads, so importing this module costs
+nothing and the window appears before the model starts loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvchat.engine.models import DEFAULT_MODEL
+from kvchat.engine.settings import CacheSettings, SamplingSettings
+from kvchat.errors import KvchatError
+from kvchat.ui.backend import (
+    LaunchOptions,
+    MemorySnapshot,
+    ModelView,
+    Progress,
+    ResumedConversation,
+)
+
+__all__ = ["DEFAULT_MODEL", "EngineBackend"]
+
+RESUME_PENDING = "resuming saved conversations needs the storage integration (issue 4)"
+
+
+class EngineBackend:
+    """Adapts the engine to :class:`kvchat.ui.backend.Backend`. Built from the CLI options."""
+
+    def __init__(self, opts: dict[str, Any]) -> None:
+        self.opts = dict(opts)
+        self.launch = LaunchOptions.from_cli(self.opts)
+        self._loaded: Any = None
+        self._session: Any = None
+
+    # -- model -----------------------------------------------------------------------------
+    def load(self, progress: Progress, spec: str | None = None) -> ModelView:
+        from kvchat.engine.loader import load
+
+        if spec:
+            self.launch.model = spec
+        self.close()
+        loaded = load(
+            self.launch.model,
+            device=self.opts.get("device") or "auto",
+            dtype=self.opts.get("dtype") or "float32",
+            weights=self.opts.get("weights") or "none",
+            progress=progress,
+        )
+        self._loaded = loaded
+        progress("starting the conversation")
+        self._session = self._new_session(self.launch.system)
+        return ModelView(
+            name=loaded.name,
+            dtype=loaded.dtype,
+            device=str(loaded.device),
+            weights_bytes=loaded.weights_bytes,
+            chat_template=loaded.has_chat_template,
+        )
+
+    def _cache_settings(self) -> CacheSettings:
+        o = self.opts
+        return CacheSettings(
+            kind=o.get("cache_kind") or "kvdirect",
+            max_mem=o.get("max_mem"),
+            hot_window=o.get("hot_window"),
+            checkpoint=o.get("checkpoint") or "residual",
+            prefill_chunk=o.get("prefill_chunk") or 256,
+        )
+
+    def _new_session(self, system: str | None) -> Any:
+        from kvchat.engine.session import ChatSession
+
+        return ChatSession(self._loaded, system=system or None, cache=self._cache_settings())
+
+    def _require_session(self) -> Any:
+        if self._session is None:
+            raise KvchatError("the model is not loaded yet; wait for it, or restart kvchat")
+        return self._session
+
+    # -- a turn ----------------------------------------------------------------------------
+    def send(
+        self,
+        text: str,
+        sampling: SamplingSettings,
+        *,
+        on_text: Callable[[str], None],
+        should_stop: Callable[[], bool],
+    ) -> Any:
+        from kvchat.ui.backend import TurnView
+
+        session = self._require_session()
+        result = session.send(text, sampling, on_text=on_text, should_stop=should_stop)
+        return TurnView(
+            reply=result.reply,
+            finish_reason=result.finish_reason,
+            memory=result.memory,
+            tokens=len(result.tokens),
+            tokens_per_second=result.decode_tokens_per_second,
+        )
+
+    def memory(self) -> MemorySnapshot:
+        return self._require_session().memory()
+
+    def process_rss(self) -> int | None:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    # -- conversations ---------------------------------------------------------------------
+    def set_system(self, system: str | None) -> None:
+        # The next turn sees the new prompt; the session notices that the rendered prefix
+        # changed and rebuilds its state from the text.
+        self._require_session().system = system or None
+
+    def new_conversation(self, system: str | None) -> None:
+        self._require_session()
+        self._session.close()
+        self._session = self._new_session(system)
+
+    def list_conversations(self) -> list[dict[str, Any]]:
+        from kvchat.paths import data_dir
+        from kvchat.storage import ConversationStore
+
+        rows = []
+        for s in ConversationStore(data_dir(self.opts.get("data_dir"))).list():
+            rows.append(
+                {
+                    "id": s.id,
+                    "title": s.title,
+                    "model": s.model,
+                    "turns": s.turns,
+                    "tokens": s.tokens,
+                    "bytes_on_disk": s.bytes_on_disk,
+                    "last_used": s.last_used.isoformat(timespec="minutes"),
+                    "error": s.error,
+                }
+            )
+        return rows
+
+    def open_conversation(self, conv_id: str) -> ResumedConversation:
+        # Rebuilding a session from a conversation's residual segments is the engine's side
+        # of the storage integration; until it exists the app says so in one line.
+        raise KvchatError(RESUME_PENDING)
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+        self._session = None
+        self._loaded = None

@@ -1,0 +1,56 @@
+"""Messages the engine thread posts to the app (``post_message`` is thread safe)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.message import Message
+
+from kvchat.ui.backend import ModelView, ResumedConversation, TurnView
+
+
+class LoadProgress(Message):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class Loaded(Message):
+    def __init__(self, model: ModelView) -> None:
+        super().__init__()
+        self.model = model
+
+
+class EngineFailed(Message):
+    """A one-line error from the engine; ``what`` says which step failed."""
+
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__()
+        self.what = what
+        self.message = message
+
+
+class ReplyChunk(Message):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class MemoryUpdate(Message):
+    def __init__(self, memory: dict[str, Any]) -> None:
+        super().__init__()
+        self.memory = memory
+
+
+class ReplyDone(Message):
+    def __init__(self, turn: TurnView) -> None:
+        super().__init__()
+        self.turn = turn
+
+
+class ConversationStarted(Message):
+    """``/new`` done, or a saved conversation resumed (``resumed`` set)."""
+
+    def __init__(self, resumed: ResumedConversation | None = None) -> None:
+        super().__init__()
+        self.resumed = resumed

@@ -1,0 +1,1 @@
+"""Screens pushed over the chat: help, settings, saved conversations, memory, errors."""

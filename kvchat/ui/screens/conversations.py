@@ -1,0 +1,105 @@
+"""Saved conversations: pick one to resume it from its residual files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Footer, OptionList, Static
+from textual.widgets.option_list import Option
+
+from kvchat.errors import KvchatError
+from kvchat.ui.format import fmt_bytes
+
+
+def describe(row: dict[str, Any]) -> Text:
+    """Two lines per conversation (three with an error): title and id, then the figures."""
+    when = (row.get("last_used") or "")[:16].replace("T", " ")
+    text = Text()
+    text.append(row.get("title") or "Untitled", style="bold")
+    text.append(f"  {row['id']}", style="dim")
+    text.append(
+        f"\n{row.get('model') or '?'} · {row.get('turns', 0)} turns · {row.get('tokens', 0)} tok"
+        f" · {fmt_bytes(row.get('bytes_on_disk', 0))} · {when}",
+        style="dim",
+    )
+    if row.get("error"):
+        text.append(f"\n⚠ {row['error']}", style="red")
+    return text
+
+
+class ConversationsScreen(ModalScreen[str | None]):
+    """Lists conversations in a worker (the store may be slow); dismisses with an id."""
+
+    BINDINGS = [
+        Binding("escape,f4", "dismiss_none", "Close"),
+        Binding("enter", "resume", "Resume", show=True, key_display="⏎"),
+    ]
+
+    def __init__(self, list_conversations) -> None:
+        super().__init__()
+        self._list = list_conversations
+        self.rows: list[dict[str, Any]] = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="conversations-box", classes="dialog") as box:
+            box.border_title = "saved conversations"
+            yield Static("reading the conversation store…", id="conversations-status")
+            yield OptionList(id="conversations")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        self.query_one(OptionList).display = False
+        self.load_rows()
+
+    @work(thread=True, exit_on_error=False)
+    def load_rows(self) -> None:
+        try:
+            rows = self._list()
+        except KvchatError as exc:
+            self.app.call_from_thread(self._failed, str(exc))
+            return
+        except Exception as exc:  # never a traceback in the terminal
+            self.app.call_from_thread(self._failed, f"cannot list conversations: {exc}")
+            return
+        self.app.call_from_thread(self.show_rows, rows)
+
+    def _failed(self, message: str) -> None:
+        self.query_one("#conversations-status", Static).update(message)
+        self.notify(message, title="conversations", severity="error")
+
+    def show_rows(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+        status = self.query_one("#conversations-status", Static)
+        options = self.query_one(OptionList)
+        if not rows:
+            status.update("No saved conversations yet.")
+            return
+        plural = "s" if len(rows) != 1 else ""
+        status.update(f"{len(rows)} conversation{plural} · ⏎ resumes the highlighted one")
+        options.clear_options()
+        options.add_options(Option(describe(r), id=r["id"]) for r in rows)
+        options.display = True
+        options.highlighted = 0
+        options.focus()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        row = next((r for r in self.rows if r["id"] == event.option.id), {})
+        if row.get("error"):
+            # The store's own one-line message: what is wrong and how to fix it.
+            self.notify(row["error"], title="cannot resume", severity="error", timeout=12)
+            return
+        self.dismiss(event.option.id)
+
+    def action_resume(self) -> None:
+        options = self.query_one(OptionList)
+        if options.highlighted is not None:
+            options.action_select()
+
+    def action_dismiss_none(self) -> None:
+        self.dismiss(None)
