@@ -176,6 +176,8 @@ def run(**opts: Any) -> None:
                     click.echo(" [stopped]", nl=False)
                 click.echo()
                 click.echo(format_memory_line(result.memory), err=True)
+            if result.error:
+                click.echo(f"kvchat: reply ended early: {result.error}", err=True)
             if result.cancelled:
                 sys.exit(130)
     except KvchatError as exc:
@@ -194,6 +196,7 @@ def _turn_json(turn: int, prompt: str, result: Any) -> dict[str, Any]:
         "reply": result.reply,
         "tokens": result.tokens,
         "finish_reason": result.finish_reason,
+        "error": result.error,
         "prompt_tokens": result.prompt_tokens,
         "prefill_seconds": round(result.prefill_seconds, 4),
         "decode_seconds": round(result.decode_seconds, 4),

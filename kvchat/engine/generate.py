@@ -15,6 +15,7 @@ import torch
 
 from kvchat.engine.sampling import make_generator, next_token
 from kvchat.engine.settings import SamplingSettings
+from kvchat.errors import NeedsDiskTierError
 
 BeforeForward = Callable[[int], None]
 
@@ -22,7 +23,8 @@ BeforeForward = Callable[[int], None]
 @dataclass
 class DecodeOutcome:
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str = "length"  # "eos" | "length" | "cancelled" | "stop"
+    finish_reason: str = "length"  # "eos" | "length" | "cancelled" | "stop" | "ceiling"
+    error: str | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     last_logits: torch.Tensor | None = None
@@ -104,7 +106,13 @@ def generate(
             if len(outcome.tokens) >= settings.max_new_tokens:
                 outcome.finish_reason = "length"
                 break
-            logits = forward(model, cache, [token], device, before_forward)
+            try:
+                logits = forward(model, cache, [token], device, before_forward)
+            except NeedsDiskTierError as exc:
+                # The ceiling is reached mid-reply: end the reply here, keep what was said.
+                outcome.finish_reason = "ceiling"
+                outcome.error = str(exc)
+                break
         outcome.decode_seconds = time.perf_counter() - t0
         outcome.last_logits = logits
     return outcome

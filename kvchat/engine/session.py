@@ -30,6 +30,7 @@ class TurnResult:
     prefill_seconds: float
     decode_seconds: float
     fell_back_to_full_prefill: bool = False
+    error: str | None = None  # why the reply ended early (e.g. the ceiling was reached)
 
     @property
     def cancelled(self) -> bool:
@@ -203,9 +204,14 @@ class ChatSession:
                 self._build_cache()
                 self.token_ids = []
             new_ids = self._tokenize(full)
+        to_feed = (self.token_ids + new_ids)[self.cache.get_seq_length() :]
+        try:
+            self._before_forward(len(to_feed))  # refuse a prompt that cannot fit, feed nothing
+        except KvchatError:
+            self.messages.pop()
+            raise
         self.token_ids.extend(new_ids)
         self._rendered = full
-        to_feed = self.token_ids[self.cache.get_seq_length() :]
 
         tok = self.loaded.tokenizer
         generated: list[int] = []
@@ -268,6 +274,7 @@ class ChatSession:
             prefill_seconds=outcome.prefill_seconds,
             decode_seconds=outcome.decode_seconds,
             fell_back_to_full_prefill=fell_back,
+            error=outcome.error,
         )
 
     # -- accounting ----------------------------------------------------------------------

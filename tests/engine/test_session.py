@@ -114,3 +114,23 @@ def test_seeded_sampling_gives_identical_text(smollm2_loaded):
         SamplingSettings(temperature=0.9, top_p=0.95, seed=8, max_new_tokens=24),
     )
     assert other != ref  # the seed matters: the test is not vacuous
+
+
+def test_prompt_over_the_ceiling_is_refused_and_nothing_is_lost(smollm2_loaded):
+    from kvchat.errors import NeedsDiskTierError
+
+    session = ChatSession(smollm2_loaded, cache=CacheSettings(max_mem=6_000_000))
+    first = session.send("Hi!", SamplingSettings(max_new_tokens=4))
+    before = (list(session.messages), list(session.token_ids), session.cache.get_seq_length())
+    with pytest.raises(NeedsDiskTierError, match="--max-mem"):
+        session.send("word " * 200, GREEDY)
+    assert (session.messages, session.token_ids, session.cache.get_seq_length()) == before
+    assert first.reply
+
+
+def test_reply_reaching_the_ceiling_ends_early_and_keeps_what_was_said(smollm2_loaded):
+    session = ChatSession(smollm2_loaded, cache=CacheSettings(max_mem=4_500_000))
+    result = session.send("Write a long story about a cat.", SamplingSettings(max_new_tokens=200))
+    assert result.finish_reason == "ceiling" and "--max-mem" in result.error
+    assert result.reply and session.messages[-1]["content"] == result.reply
+    assert result.memory["state_bytes"] <= 4_500_000
