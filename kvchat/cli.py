@@ -54,6 +54,20 @@ def model_options(fn: Callable) -> Callable:
     return fn
 
 
+data_dir_option = click.option(
+    "--data-dir",
+    default=None,
+    help="Conversation store (default: $KVCHAT_DATA_DIR or the XDG data dir).",
+)
+
+
+def _store(opts: dict[str, Any]):
+    from kvchat.paths import data_dir
+    from kvchat.storage import ConversationStore
+
+    return ConversationStore(data_dir(opts.get("data_dir")))
+
+
 def _load(opts: dict[str, Any], quiet: bool = False):
     from kvchat.engine.loader import load
     from kvchat.engine.models import DEFAULT_MODEL
@@ -141,6 +155,14 @@ class _CancelOnSigint:
 )
 @click.option("--seed", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn on stdout.")
+@click.option(
+    "--conversation",
+    "conversation_id",
+    default=None,
+    help="Resume this saved conversation (id or prefix).",
+)
+@click.option("--no-save", is_flag=True, help="Do not save the conversation.")
+@data_dir_option
 def run(**opts: Any) -> None:
     """Headless: answer each --prompt in turn, streaming, then print a memory line."""
     from kvchat.engine.settings import SamplingSettings
@@ -160,9 +182,20 @@ def run(**opts: Any) -> None:
     try:
         loaded = _load(opts, quiet=as_json)
         from kvchat.engine.memory import format_memory_line
-        from kvchat.engine.session import ChatSession
 
-        session = ChatSession(loaded, system=opts["system"], cache=_cache_settings(opts))
+        say = (lambda _m: None) if as_json else (lambda m: click.echo(f"kvchat: {m}", err=True))
+        from kvchat.engine.conversation import open_session
+
+        session = open_session(
+            loaded,
+            data_dir=opts["data_dir"],
+            cache=_cache_settings(opts),
+            system=opts["system"],
+            conversation_id=opts["conversation_id"],
+            save=not opts["no_save"],
+            say=say,
+        )
+        conversation_id = session.conversation.id if session.conversation else None
         for turn, prompt in enumerate(prompts, start=1):
             with _CancelOnSigint() as sigint:
                 on_text = None if as_json else _stream_to_stdout
@@ -170,7 +203,7 @@ def run(**opts: Any) -> None:
                     prompt, sampling, on_text=on_text, should_stop=lambda: sigint.cancelled
                 )
             if as_json:
-                click.echo(json.dumps(_turn_json(turn, prompt, result)))
+                click.echo(json.dumps(_turn_json(turn, prompt, result, conversation_id)))
             else:
                 if result.cancelled:
                     click.echo(" [stopped]", nl=False)
@@ -179,7 +212,9 @@ def run(**opts: Any) -> None:
             if result.error:
                 click.echo(f"kvchat: reply ended early: {result.error}", err=True)
             if result.cancelled:
+                session.close()
                 sys.exit(130)
+        session.close()
     except KvchatError as exc:
         _fail(exc)
 
@@ -189,8 +224,9 @@ def _stream_to_stdout(text: str) -> None:
     sys.stdout.flush()
 
 
-def _turn_json(turn: int, prompt: str, result: Any) -> dict[str, Any]:
+def _turn_json(turn: int, prompt: str, result: Any, conversation: str | None) -> dict[str, Any]:
     return {
+        "conversation": conversation,
         "turn": turn,
         "prompt": prompt,
         "reply": result.reply,
@@ -250,6 +286,85 @@ def inspect(model: str, dtype: str, n_tokens: int, as_json: bool) -> None:
         click.echo(json.dumps(inspect_as_dict(fp, n_tokens), indent=2))
     else:
         click.echo(render_inspect(fp, n_tokens))
+
+
+@cli.command(name="list")
+@data_dir_option
+@click.option("--json", "as_json", is_flag=True)
+def list_conversations(data_dir: str | None, as_json: bool) -> None:
+    """Saved conversations: id, title, model, turns, tokens, bytes on disk, last use."""
+    from kvchat.engine.planner import human_bytes
+
+    rows = _store({"data_dir": data_dir}).list()
+    if as_json:
+        click.echo(json.dumps([r.__dict__ for r in rows], indent=2, default=str))
+        return
+    if not rows:
+        click.echo("no saved conversations")
+        return
+    click.echo(
+        f"{'id':<21} {'model':<16} {'turns':>5} {'tokens':>7} {'disk':>10}  last used            title"
+    )
+    for r in rows:
+        title = r.error and f"[{r.error}]" or r.title
+        click.echo(
+            f"{r.id:<21} {str(r.model)[:16]:<16} {r.turns:>5} {r.tokens:>7} "
+            f"{human_bytes(r.bytes_on_disk):>10}  {str(r.last_used)[:19]:<20} {title}"
+        )
+
+
+@cli.command()
+@click.argument("conversation_id")
+@data_dir_option
+def delete(conversation_id: str, data_dir: str | None) -> None:
+    """Delete a saved conversation and its residual files."""
+    store = _store({"data_dir": data_dir})
+    try:
+        full = store.resolve(conversation_id)
+        store.delete(full)
+    except KvchatError as exc:
+        _fail(exc)
+    click.echo(f"deleted {full}")
+
+
+@cli.command()
+@click.argument("conversation_id")
+@click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md", show_default=True)
+@data_dir_option
+def export(conversation_id: str, fmt: str, data_dir: str | None) -> None:
+    """Print a conversation's messages as Markdown or JSON."""
+    try:
+        click.echo(_store({"data_dir": data_dir}).export(conversation_id, fmt))
+    except KvchatError as exc:
+        _fail(exc)
+
+
+@cli.command()
+@click.argument("conversation_id")
+@model_options
+@click.option("--prompt", "prompts", multiple=True, help="Continue headless with these turns.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@data_dir_option
+@click.pass_context
+def resume(ctx: click.Context, conversation_id: str, **opts: Any) -> None:
+    """Resume a saved conversation: in the chat app, or headless with --prompt."""
+    if opts["prompts"]:
+        ctx.invoke(
+            run,
+            conversation_id=conversation_id,
+            temperature=None,
+            top_p=1.0,
+            seed=None,
+            prompt_file=None,
+            system=None,
+            no_save=False,
+            **opts,
+        )
+        return
+    from kvchat.ui.app import run_app
+
+    run_app({**opts, "system": None, "conversation_id": conversation_id})
 
 
 def main() -> None:

@@ -13,6 +13,12 @@ from typing import Any
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _private_data_dir(tmp_path_factory, monkeypatch):
+    """Conversations saved by tests (and by `kvchat run` subprocesses) stay in a tmp dir."""
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path_factory.mktemp("kvchat-data")))
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """Directory of SmolLM2-135M-Instruct (config.json, model.safetensors, tokenizer)."""

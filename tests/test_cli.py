@@ -119,3 +119,33 @@ def test_ctrl_c_ends_the_reply_cleanly(smollm2_dir):
     assert proc.returncode == 130
     assert (got + rest).rstrip().endswith("[stopped]")
     assert "Traceback" not in err and "[mem]" in err
+
+
+@pytest.mark.slow
+def test_saved_conversation_resumes_list_export_delete(smollm2_dir, tmp_path):
+    data = ["--data-dir", str(tmp_path)]
+    model = ["--model", str(smollm2_dir), "--max-new-tokens", "16", "--hot-window", "6"]
+    prompts = ["--prompt", "What is the capital of France?", "--prompt", "And of Spain?"]
+    both = kvchat("run", *model, "--json", "--no-save", *prompts)
+    expected = [json.loads(line)["tokens"] for line in both.stdout.splitlines()]
+
+    first = kvchat("run", *model, *data, "--json", "--prompt", "What is the capital of France?")
+    turn1 = json.loads(first.stdout)
+    conv_id = turn1["conversation"]
+    assert conv_id and turn1["tokens"] == expected[0]
+    second = kvchat("resume", conv_id, *model, *data, "--json", "--prompt", "And of Spain?")
+    assert second.returncode == 0, second.stderr
+    turn2 = json.loads(second.stdout)
+    assert turn2["tokens"] == expected[1] and turn2["conversation"] == conv_id
+    assert turn2["memory"]["disk_bytes"] > 0
+
+    listing = kvchat("list", *data)
+    assert conv_id in listing.stdout and "What is the capital of France?" in listing.stdout
+    md = kvchat("export", conv_id[:12], "--format", "md", *data)
+    assert "And of Spain?" in md.stdout and "Madrid" in md.stdout
+    exported = json.loads(kvchat("export", conv_id, "--format", "json", *data).stdout)
+    assert len(exported["messages"]) == 4
+    assert kvchat("delete", conv_id, *data).returncode == 0
+    assert conv_id not in kvchat("list", *data).stdout
+    gone = kvchat("run", *model, *data, "--conversation", conv_id, "--prompt", "Hi")
+    assert gone.returncode == 1 and len(gone.stderr.strip().splitlines()) == 1

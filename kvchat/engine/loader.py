@@ -35,4 +35,6 @@ def load(
         dtype=dtype_name,
         weights_bytes=weights_nbytes(model),
         footprint=footprint_from_config(model.config, dtype_name),
+        weights_mode=weights,
+        path=resolved.path,
     )

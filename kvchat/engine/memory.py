@@ -75,7 +75,7 @@ def snapshot(session: ChatSession) -> dict[str, Any]:
         "state_bytes": state,
         "standard_equivalent_bytes": session.loaded.footprint.standard_cache_bytes(n_tokens),
         "ceiling_bytes": settings.max_mem,
-        "disk_bytes": 0,
+        "disk_bytes": session.disk_bytes(),
         "weights_bytes": session.loaded.weights_bytes,
         "rss_bytes": process_rss(),
         "recompute_seconds": round(recompute, 4),

@@ -52,8 +52,18 @@ class LoadedModel:
     dtype: str
     weights_bytes: int
     footprint: Any  # ModelFootprint at the model's dtype
-    fingerprint: str = ""
+    weights_mode: str = "none"
+    path: Any = None  # the resolved model directory, when there is one
     _adapter: Any = field(default=None, repr=False)
+    _fingerprint: str | None = field(default=None, repr=False)
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            from kvchat.engine.persist import fingerprint
+
+            self._fingerprint = fingerprint(self, self.path)
+        return self._fingerprint
 
     @property
     def has_chat_template(self) -> bool:
@@ -84,10 +94,14 @@ class ChatSession:
         self.token_ids: list[int] = []  # every token of the conversation, in order
         self._rendered = ""  # text the token ids stand for, in the template's terms
         self._compute_seconds = 0.0
+        self.conversation: Any = None  # kvchat.storage.Conversation, when saving
+        self._saved_upto = 0  # cache positions already in the conversation's files
+        self._unsaved_messages: list[dict[str, str]] = []
+        self._unsaved_ids: list[int] = []
         self._build_cache()
 
     # -- cache ---------------------------------------------------------------------------
-    def _build_cache(self) -> None:
+    def _build_cache(self, forms: list[str] | None = None) -> None:
         from kvchat.engine import memory
 
         settings = self.cache_settings
@@ -96,15 +110,19 @@ class ChatSession:
             from transformers import DynamicCache
 
             self.cache = DynamicCache(config=self.loaded.model.config)
+            self.forms = None
         elif settings.kind == "kvdirect":
             from kvchat.engine.cache import KVDirectCache
             from kvchat.engine.planner import Planner, choose_forms
 
-            if settings.max_mem is None and settings.hot_window is None:
+            if forms is not None:
+                pass  # a resumed conversation keeps the forms it was saved with
+            elif settings.max_mem is None and settings.hot_window is None:
                 # Nothing can ever be evicted: checkpoints would be pure overhead.
                 forms = ["kv"] * self.loaded.footprint.num_layers
             else:
                 forms = choose_forms(self.loaded.footprint, settings.checkpoint)
+            self.forms = forms
             self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window)
             self.cache.attach()
             self.planner = Planner(
@@ -114,22 +132,31 @@ class ChatSession:
             raise KvchatError(f"unknown cache kind {settings.kind!r}; use kvdirect or standard")
         self._memory = memory
 
-    def close(self) -> None:
+    def _detach_cache(self) -> None:
         detach = getattr(self.cache, "detach", None)
         if detach is not None:
             detach()
+
+    def close(self) -> None:
+        """Unhook the cache from the model and release the conversation's lock."""
+        self._detach_cache()
+        if self.conversation is not None:
+            self.conversation.close()
 
     def _before_forward(self, n_new: int) -> None:
         if self.planner is None:
             if self.cache_settings.max_mem is not None:
                 self._check_standard_ceiling(n_new)
             return
-        n_after = self.cache.get_seq_length() + n_new
-        planned = self.planner.hot_window_for(n_after)
+        self.cache.hot_window = self._plan(self.cache.get_seq_length() + n_new)
+
+    def _plan(self, n_tokens: int) -> int | None:
+        """Hot window for ``n_tokens``: the planner's under the ceiling, capped by --hot-window."""
+        planned = self.planner.hot_window_for(n_tokens)
         explicit = self.cache_settings.hot_window
         if explicit is not None:
             planned = explicit if planned is None else min(planned, explicit)
-        self.cache.hot_window = planned
+        return planned
 
     def _check_standard_ceiling(self, n_new: int) -> None:
         from kvchat.engine.planner import human_bytes
@@ -200,7 +227,7 @@ class ChatSession:
             if self._rendered:
                 # The template rewrote earlier turns: start the state again from the text.
                 fell_back = True
-                self.close()
+                self._detach_cache()
                 self._build_cache()
                 self.token_ids = []
             new_ids = self._tokenize(full)
@@ -265,6 +292,12 @@ class ChatSession:
         # The text the ids stand for: the template's prefix plus the reply as generated,
         # special tokens included (an end-of-turn id renders as its marker).
         self._rendered = full + tok.decode(reply_ids, skip_special_tokens=False)
+        self._unsaved_messages += self.messages[-2:]
+        self._unsaved_ids += new_ids + reply_ids
+        error = outcome.error
+        if self.conversation is not None:
+            save_error = self.save()
+            error = save_error or error
         return TurnResult(
             reply=reply,
             tokens=reply_ids,
@@ -274,8 +307,77 @@ class ChatSession:
             prefill_seconds=outcome.prefill_seconds,
             decode_seconds=outcome.decode_seconds,
             fell_back_to_full_prefill=fell_back,
-            error=outcome.error,
+            error=error,
         )
+
+    # -- persistence ---------------------------------------------------------------------
+    def attach_conversation(self, conversation: Any) -> None:
+        """Save every turn from now on into ``conversation`` (an open, locked store entry)."""
+        self.conversation = conversation
+
+    def save(self) -> str | None:
+        """Write what changed since the last save as one turn; returns an error message or
+        None. On failure the conversation stays in memory and the next save retries."""
+        from kvchat.engine.persist import turn_tensors
+        from kvchat.errors import StorageError
+
+        n_cached = self.cache.get_seq_length()
+        try:
+            self.conversation.append_turn(
+                messages=self._unsaved_messages,
+                token_ids=self._unsaved_ids,
+                tensors=turn_tensors(self.cache, self._saved_upto),
+                extra={"n_cached": n_cached, "memory": self.memory()},
+                engine_state={
+                    "rendered": self._rendered,
+                    "system": self.system,
+                    "forms": self.forms,
+                    "cache": self.cache_settings.as_dict(),
+                    "n_cached": n_cached,
+                },
+            )
+        except StorageError as exc:
+            return str(exc)
+        self._saved_upto = n_cached
+        self._unsaved_messages, self._unsaved_ids = [], []
+        return None
+
+    @classmethod
+    def resume(
+        cls, loaded: LoadedModel, conversation: Any, cache: CacheSettings | None = None
+    ) -> ChatSession:
+        """Rebuild a saved conversation exactly: messages, token ids and the cache state.
+
+        ``cache`` may change the ceiling or hot window; the per-layer forms stay as saved.
+        """
+        from kvchat.engine.persist import restore
+
+        manifest = conversation.manifest
+        state = manifest.engine_state
+        saved = CacheSettings(**state.get("cache", {}))
+        if cache is not None:
+            saved.max_mem, saved.hot_window = cache.max_mem, cache.hot_window
+        session = cls.__new__(cls)
+        ChatSession.__init__(session, loaded, system=state.get("system"), cache=saved)
+        if saved.kind == "kvdirect":
+            session._detach_cache()
+            session._build_cache(forms=state["forms"])
+        n_cached = int(state.get("n_cached", 0))
+        if session.planner is not None:
+            session.cache.hot_window = session._plan(n_cached)
+        segments = [conversation.read_turn_tensors(t.index) for t in manifest.turns]
+        restore(session, segments, n_cached)
+        session.messages = [dict(m) for m in manifest.messages]
+        session.token_ids = list(manifest.token_ids)
+        session._rendered = state.get("rendered", "")
+        session._saved_upto = n_cached
+        session.conversation = conversation
+        return session
+
+    def disk_bytes(self) -> int:
+        if self.conversation is None:
+            return 0
+        return sum(t.segment.nbytes for t in self.conversation.manifest.turns)
 
     # -- accounting ----------------------------------------------------------------------
     def memory(self) -> dict[str, Any]:

@@ -177,6 +177,9 @@ class KvchatApp(App[None]):
         self.load_error = None
         self.gauge.weights = message.model.weights_bytes
         self._show_status()
+        if self.launch.conversation_id:
+            conv_id, self.launch.conversation_id = self.launch.conversation_id, None
+            self._open(conv_id)
 
     # -- sending ---------------------------------------------------------------------------
     @on(PromptInput.Submitted)

@@ -68,6 +68,7 @@ class LaunchOptions:
     cache_kind: str = "kvdirect"
     max_mem: int | None = None
     system: str | None = None
+    conversation_id: str | None = None  # `kvchat resume ID`: open it once loaded
 
     @classmethod
     def from_cli(cls, opts: dict[str, Any]) -> LaunchOptions:
@@ -78,6 +79,7 @@ class LaunchOptions:
             cache_kind=opts.get("cache_kind") or "kvdirect",
             max_mem=opts.get("max_mem"),
             system=opts.get("system"),
+            conversation_id=opts.get("conversation_id"),
         )
 
 

@@ -23,8 +23,6 @@ from kvchat.ui.backend import (
 
 __all__ = ["DEFAULT_MODEL", "EngineBackend"]
 
-RESUME_PENDING = "resuming saved conversations needs the storage integration (issue 4)"
-
 
 class EngineBackend:
     """Adapts the engine to :class:`kvchat.ui.backend.Backend`. Built from the CLI options."""
@@ -70,10 +68,17 @@ class EngineBackend:
             prefill_chunk=o.get("prefill_chunk") or 256,
         )
 
-    def _new_session(self, system: str | None) -> Any:
-        from kvchat.engine.session import ChatSession
+    def _new_session(self, system: str | None, conversation_id: str | None = None) -> Any:
+        from kvchat.engine.conversation import open_session
 
-        return ChatSession(self._loaded, system=system or None, cache=self._cache_settings())
+        return open_session(
+            self._loaded,
+            data_dir=self.opts.get("data_dir"),
+            cache=self._cache_settings(),
+            system=system or None,
+            conversation_id=conversation_id,
+            save=not self.opts.get("no_save"),
+        )
 
     def _require_session(self) -> Any:
         if self._session is None:
@@ -141,9 +146,18 @@ class EngineBackend:
         return rows
 
     def open_conversation(self, conv_id: str) -> ResumedConversation:
-        # Rebuilding a session from a conversation's residual segments is the engine's side
-        # of the storage integration; until it exists the app says so in one line.
-        raise KvchatError(RESUME_PENDING)
+        from kvchat.engine.conversation import resumed_view
+
+        self._require_session()
+        current = self._session.conversation
+        if current is not None and conv_id and current.id.startswith(conv_id):
+            view = resumed_view(self._session)
+        else:
+            # Release the current conversation's lock first: it may be the one asked for.
+            self._session.close()
+            self._session = self._new_session(None, conversation_id=conv_id)
+            view = resumed_view(self._session)
+        return ResumedConversation(**view)
 
     def close(self) -> None:
         if self._session is not None:

@@ -7,7 +7,7 @@ import pytest
 from kvchat.errors import KvchatError
 from kvchat.ui.app import KvchatApp
 from kvchat.ui.backend import LaunchOptions
-from kvchat.ui.engine_backend import RESUME_PENDING, EngineBackend
+from kvchat.ui.engine_backend import EngineBackend
 from tests.ui.helpers import wait_until
 
 MEMORY_KEYS = {
@@ -40,7 +40,7 @@ def test_launch_options_from_the_cli():
     assert launch == LaunchOptions("smollm2-135m", "kvdirect", 64 * 10**6, "Be brief.")
 
 
-def test_lists_the_store_and_says_resume_is_pending(tmp_path, monkeypatch):
+def test_lists_the_store(tmp_path, monkeypatch):
     import torch
 
     from kvchat.storage import ConversationStore
@@ -66,9 +66,8 @@ def test_lists_the_store_and_says_resume_is_pending(tmp_path, monkeypatch):
         "Hi there", "smollm2-135m", 1, 3, None,
     )  # fmt: skip
     assert row["bytes_on_disk"] > 0 and row["last_used"][:2] == "20"
-    with pytest.raises(KvchatError, match="storage integration"):
+    with pytest.raises(KvchatError, match="not loaded yet"):
         backend.open_conversation(row["id"])
-    assert RESUME_PENDING.startswith("resuming saved conversations")
 
 
 def test_calls_before_loading_are_one_line_errors():
@@ -79,9 +78,11 @@ def test_calls_before_loading_are_one_line_errors():
 
 @pytest.mark.slow
 @pytest.mark.anyio
-async def test_real_model_answers_in_the_app(smollm2_dir):
-    """End to end with SmolLM2-135M-Instruct: load in the background, ask, stream, gauge."""
-    app = KvchatApp(EngineBackend(cli_opts(model=str(smollm2_dir), max_mem=64 * 10**6)))
+async def test_real_model_answers_in_the_app(smollm2_dir, tmp_path):
+    """End to end with SmolLM2-135M-Instruct: load in the background, ask, stream, gauge,
+    then a second app resumes the saved conversation from its files and shows its history."""
+    opts = cli_opts(model=str(smollm2_dir), max_mem=64 * 10**6, data_dir=str(tmp_path))
+    app = KvchatApp(EngineBackend(opts))
     async with app.run_test(size=(100, 30)) as pilot:
         assert app.phase == "loading"  # the window is up before the model
         await wait_until(pilot, lambda: app.phase != "loading", timeout=180)
@@ -101,3 +102,16 @@ async def test_real_model_answers_in_the_app(smollm2_dir):
         assert memory["ceiling_bytes"] == 64 * 10**6
         assert app.gauge.memory["tokens"] == memory["tokens"]
         assert app.gauge.weights and app.gauge.weights > 100 * 2**20
+
+    backend = app.backend
+    conv_id = backend.list_conversations()[0]["id"]
+    backend.close()  # releases the conversation's lock, as quitting the app does
+    second = KvchatApp(EngineBackend(opts))
+    async with second.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: second.phase != "loading", timeout=180)
+        second.action_resume(conv_id)
+        await wait_until(pilot, lambda: len(second.chat_log.messages()) >= 3, timeout=60)
+        texts = [m.text for m in second.chat_log.messages()]
+        assert any("capital of France" in t for t in texts)
+        assert any("Paris" in t for t in texts)
+        assert second.turn_memory and second.turn_memory[-1]["tokens"] > 10

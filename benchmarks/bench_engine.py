@@ -1,0 +1,441 @@
+"""Engine speed: kvchat's prefill + decode loop against ``model.generate`` with DynamicCache.
+
+Same model, dtype, thread count, prompt and greedy decode, in the same process. For each
+configuration one run is: prefill ``--context`` tokens (time to first token), then decode
+``--new-tokens`` greedy tokens with no early stop (time per decoded token = decode time over
+the ``new_tokens - 1`` decode forward calls; the first token comes from the prefill logits).
+
+Configurations:
+
+* ``hf generate``: ``model.generate(cache=DynamicCache(config=...), do_sample=False,
+  min_new_tokens=max_new_tokens=N)``, the whole prompt in one forward call (what generate
+  does). The baseline. Prefill/decode split from a timestamping logits processor: it runs
+  once per generated token, right after the forward call that produced its logits.
+* ``kvchat chunk=256`` / ``kvchat chunk=1024``: ``kvchat.engine.generate.generate`` on the
+  cache a default ``ChatSession`` builds (``CacheSettings()``: no ``--max-mem``, so a
+  ``KVDirectCache`` whose layers are all in ``kv`` form), ``stop_ids=set()``.
+* ``kvchat loop + DynamicCache``: kvchat's ``generate`` loop over a plain ``DynamicCache``
+  (chunk 256). Not a target; it separates what the loop costs from what the cache costs.
+
+Whole runs are repeated ``--repeats`` times, interleaved (order rotating per repeat), and
+each ratio is paired with the baseline run of the same repeat. Then a lockstep phase decodes
+once more with ``model.generate`` while, inside its logits processor, kvchat's caches take
+one decode step each: per-step ratios of neighbouring steps, the measure least disturbed by
+other jobs on the machine (see ``run_lockstep``). The decode target (ratio >= 0.95) is
+checked on both.
+
+Run from the repository root: ``python benchmarks/bench_engine.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+DECODE_TARGET = 0.95
+BASELINE = "hf generate"
+
+
+# -- one measured run per configuration ------------------------------------------------------
+def run_hf_generate(loaded: Any, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    import torch
+    from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.times.append(time.perf_counter())
+            return scores
+
+    model = loaded.model
+    cache = DynamicCache(config=model.config)
+    stamp = Stamp()
+    input_ids = torch.tensor([prompt], dtype=torch.long, device=loaded.device)
+    t0 = time.perf_counter()
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        cache=cache,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        logits_processor=LogitsProcessorList([stamp]),
+        pad_token_id=loaded.tokenizer.eos_token_id,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    end = time.perf_counter()
+    tokens = out[0, len(prompt) :].tolist()
+    # generate must have used (and filled) the DynamicCache it was given
+    assert type(cache) is DynamicCache, type(cache)
+    assert cache.get_seq_length() == len(prompt) + new_tokens - 1, cache.get_seq_length()
+    assert len(stamp.times) == new_tokens and len(tokens) == new_tokens
+    return {
+        "prefill_seconds": stamp.times[0] - t0,
+        "decode_seconds": stamp.times[-1] - stamp.times[0],
+        "total_seconds": end - t0,
+        "step_seconds": _diffs(stamp.times),
+        "tokens": tokens,
+    }
+
+
+def _diffs(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def run_kvchat(
+    loaded: Any, prompt: list[int], new_tokens: int, chunk: int, standard: bool = False
+) -> dict[str, Any]:
+    from kvchat.engine.generate import generate
+    from kvchat.engine.session import ChatSession
+    from kvchat.engine.settings import CacheSettings, SamplingSettings
+
+    settings = CacheSettings(prefill_chunk=chunk, kind="standard" if standard else "kvdirect")
+    session = ChatSession(loaded, cache=settings)
+    cache = session.cache
+    if not standard:
+        forms = {layer.form for layer in cache.layers}
+        assert forms == {"kv"}, f"default session cache is not all-kv: {forms}"
+    n_prefill_calls = -(-len(prompt) // chunk)
+    calls: list[float] = []
+
+    def before_forward(n_new: int) -> None:
+        session._before_forward(n_new)
+        calls.append(time.perf_counter())
+
+    try:
+        t0 = time.perf_counter()
+        outcome = generate(
+            loaded.model,
+            cache,
+            prompt,
+            device=loaded.device,
+            settings=SamplingSettings(max_new_tokens=new_tokens),
+            stop_ids=set(),
+            prefill_chunk=chunk,
+            before_forward=before_forward,
+        )
+        end = time.perf_counter()
+    finally:
+        session.close()
+    assert len(outcome.tokens) == new_tokens, outcome.finish_reason
+    return {
+        "prefill_seconds": outcome.prefill_seconds,
+        "decode_seconds": outcome.decode_seconds,
+        "total_seconds": end - t0,
+        # one decode step = argmax + forward: from one decode forward call to the next
+        "step_seconds": _diffs(calls[n_prefill_calls:]),
+        "tokens": outcome.tokens,
+        "cache_type": type(cache).__name__,
+    }
+
+
+def run_lockstep(loaded: Any, prompt: list[int], new_tokens: int, chunk: int) -> dict[str, Any]:
+    """``model.generate`` and kvchat's decode steps run alternately, one step each.
+
+    kvchat's caches (the default session's, and a DynamicCache for reference) are prefilled
+    first; then ``model.generate`` runs, and a logits processor (called once per generated
+    token) performs one kvchat decode step on each of them, timed alone, before handing back
+    to generate. generate's own step time is the time from the processor's return to its
+    next call. Neighbouring steps see the same machine load, so the per-step ratios do not
+    drift with other jobs the way whole-run ratios do.
+    """
+    import torch
+    from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+    from kvchat.engine.generate import forward, prefill
+    from kvchat.engine.session import ChatSession
+    from kvchat.engine.settings import CacheSettings
+
+    names = {"kvchat": CacheSettings(prefill_chunk=chunk)}
+    names["kvchat loop + DynamicCache"] = CacheSettings(kind="standard", prefill_chunk=chunk)
+    sessions = {name: ChatSession(loaded, cache=cs) for name, cs in names.items()}
+    nxt: dict[str, int] = {}
+    with torch.inference_mode():
+        for name, session in sessions.items():
+            logits = prefill(
+                loaded.model, session.cache, prompt, loaded.device, chunk, session._before_forward
+            )
+            nxt[name] = int(torch.argmax(logits).item())
+            session.close()
+
+    times: dict[str, list[float]] = {BASELINE: [], **{name: [] for name in sessions}}
+    tokens: dict[str, list[int]] = {name: [nxt[name]] for name in sessions}
+
+    class Lockstep(LogitsProcessor):
+        def __init__(self) -> None:
+            self.calls = 0
+            self.left_at: float | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            entered = time.perf_counter()
+            if self.left_at is not None:
+                times[BASELINE].append(entered - self.left_at)
+            if self.calls < new_tokens - 1:  # generate decodes new_tokens - 1 steps too
+                with torch.inference_mode():
+                    for name in common.rotated(list(sessions), self.calls):
+                        session = sessions[name]
+                        attach = getattr(session.cache, "attach", None)
+                        if attach is not None:
+                            attach()
+                        t0 = time.perf_counter()
+                        logits = forward(
+                            loaded.model,
+                            session.cache,
+                            [nxt[name]],
+                            loaded.device,
+                            session._before_forward,
+                        )
+                        nxt[name] = int(torch.argmax(logits).item())
+                        times[name].append(time.perf_counter() - t0)
+                        tokens[name].append(nxt[name])
+                        session.close()
+            self.calls += 1
+            self.left_at = time.perf_counter()
+            return scores
+
+    input_ids = torch.tensor([prompt], dtype=torch.long, device=loaded.device)
+    out = loaded.model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        cache=DynamicCache(config=loaded.model.config),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        logits_processor=LogitsProcessorList([Lockstep()]),
+        pad_token_id=loaded.tokenizer.eos_token_id,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    hf_tokens = out[0, len(prompt) :].tolist()
+    result: dict[str, Any] = {"steps": len(times[BASELINE]), "configs": {}}
+    for name in times:
+        ratio = common.paired_step_ratio(times[BASELINE], times[name])
+        result["configs"][name] = {
+            "step_median_ms": 1000 * common.median(times[name]),
+            "decode_tokens_per_s": 1 / common.median(times[name]),
+            "paired_ratio_vs_generate": ratio,
+            "tokens_match_generate": name == BASELINE or tokens[name] == hf_tokens,
+        }
+    return result
+
+
+def configurations(context: int) -> list[tuple[str, Any]]:
+    configs: list[tuple[str, Any]] = [
+        (BASELINE, lambda L, p, n: run_hf_generate(L, p, n)),
+        ("kvchat chunk=256", lambda L, p, n: run_kvchat(L, p, n, 256)),
+    ]
+    if context > 256:
+        configs.append((f"kvchat chunk={context}", lambda L, p, n: run_kvchat(L, p, n, context)))
+    configs.append(
+        ("kvchat loop + DynamicCache", lambda L, p, n: run_kvchat(L, p, n, 256, standard=True))
+    )
+    return configs
+
+
+# -- the benchmark ----------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=common.DEFAULT_MODEL)
+    parser.add_argument("--context", type=int, default=None, help="prompt tokens (1024)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (64)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (5)")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="256 context, 16 tokens, 3 repeats")
+    parser.add_argument("--out", default="results/bench_engine.json")
+    args = parser.parse_args(argv)
+
+    context = args.context or (256 if args.quick else 1024)
+    new_tokens = args.new_tokens or (16 if args.quick else 64)
+    repeats = args.repeats or (3 if args.quick else 5)
+    if new_tokens < 2:
+        parser.error("--new-tokens must be at least 2 (one prefill token + decode)")
+
+    wall0 = time.perf_counter()
+    common.set_threads(args.threads)
+    env = common.environment(args.threads)
+    common.say(f"loading {args.model} ({args.dtype}) ...")
+    loaded = common.load_model(args.model, args.dtype)
+    prompt = common.seeded_prompt(loaded, context, args.seed)
+    configs = configurations(context)
+    names = [name for name, _ in configs]
+
+    common.say("warming up ...")
+    warm = common.seeded_prompt(loaded, min(64, context), args.seed + 1)
+    for _, fn in configs:
+        fn(loaded, warm, 4)
+
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for rep in range(repeats):
+        for name, fn in common.rotated(configs, rep):
+            common.collect()
+            result = fn(loaded, prompt, new_tokens)
+            runs[name].append(result)
+            common.say(
+                f"  repeat {rep + 1}/{repeats} {name:28s} prefill {result['prefill_seconds']:6.2f}s"
+                f"  decode {(new_tokens - 1) / result['decode_seconds']:6.2f} tok/s"
+            )
+
+    steps = new_tokens - 1
+    summary: dict[str, dict[str, Any]] = {}
+    base_runs = runs[BASELINE]
+    for name in names:
+        rs = runs[name]
+        prefill_tps = [context / r["prefill_seconds"] for r in rs]
+        decode_tps = [steps / r["decode_seconds"] for r in rs]
+        # paired with the baseline run of the same repeat (measured next to it)
+        prefill_ratio = [b["prefill_seconds"] / r["prefill_seconds"] for r, b in zip(rs, base_runs)]
+        decode_ratio = [b["decode_seconds"] / r["decode_seconds"] for r, b in zip(rs, base_runs)]
+        # the same ratio from each run's median step time: robust to bursts of CPU contention
+        step_median = [common.median(r["step_seconds"]) for r in rs]
+        step_ratio = [common.median(b["step_seconds"]) / m for m, b in zip(step_median, base_runs)]
+        summary[name] = {
+            "prefill_tokens_per_s": common.median(prefill_tps),
+            "ttft_seconds": common.median([r["prefill_seconds"] for r in rs]),
+            "decode_tokens_per_s": common.median(decode_tps),
+            "ms_per_decoded_token": 1000 / common.median(decode_tps),
+            "prefill_ratio": common.median(prefill_ratio),
+            "decode_ratio": common.median(decode_ratio),
+            "step_median_tokens_per_s": 1 / common.median(step_median),
+            "step_median_ratio": common.median(step_ratio),
+            "decode_spread": common.spread(decode_tps),
+            "prefill_spread": common.spread(prefill_tps),
+            "tokens_match_baseline": all(r["tokens"] == b["tokens"] for r, b in zip(rs, base_runs)),
+            "per_repeat": [
+                {k: v for k, v in r.items() if k not in ("tokens", "step_seconds")}
+                | {
+                    "prefill_ratio": pr,
+                    "decode_ratio": dr,
+                    "step_median_seconds": sm,
+                    "step_median_ratio": sr,
+                }
+                for r, pr, dr, sm, sr in zip(
+                    rs, prefill_ratio, decode_ratio, step_median, step_ratio
+                )
+            ],
+        }
+    common.say("lockstep decode (one step each in turn) ...")
+    lockstep = run_lockstep(loaded, prompt, new_tokens, 256)
+    wall = time.perf_counter() - wall0
+
+    headers = [
+        "engine",
+        "prefill tok/s",
+        "TTFT s",
+        "prefill ratio",
+        "decode tok/s",
+        "ms/token",
+        "decode ratio",
+        "step-median ratio",
+        "decode spread",
+        "same tokens",
+    ]
+    rows = []
+    for name in names:
+        s = summary[name]
+        rows.append(
+            [
+                name,
+                common.fmt(s["prefill_tokens_per_s"], 0),
+                common.fmt(s["ttft_seconds"], 2),
+                common.fmt(s["prefill_ratio"], 3),
+                common.fmt(s["decode_tokens_per_s"], 2),
+                common.fmt(s["ms_per_decoded_token"], 1),
+                common.fmt(s["decode_ratio"], 3),
+                common.fmt(s["step_median_ratio"], 3),
+                f"{100 * s['decode_spread']:.0f}%",
+                "yes" if s["tokens_match_baseline"] else "NO",
+            ]
+        )
+    print(
+        f"\n## bench_engine: {loaded.name} {loaded.dtype}, CPU {args.threads} threads, "
+        f"context {context}, {new_tokens} new tokens (greedy, no early stop), "
+        f"median of {repeats} interleaved repeats\n"
+    )
+    print(common.markdown_table(headers, rows))
+    print(
+        "\nratio = baseline time / engine time, paired per repeat (> 1: faster than "
+        f"`{BASELINE}`); step-median ratio: the same from each run's median decode step "
+        "(less sensitive to bursts of CPU contention); spread = (max - min) / median of the "
+        "repeats' decode tok/s."
+    )
+    print(
+        f"\nlockstep decode: {lockstep['steps']} steps, each kvchat decode step run right after "
+        f"one `{BASELINE}` step (inside its logits processor), ratios paired per step:\n"
+    )
+    lock_rows = [
+        [
+            name,
+            common.fmt(c["decode_tokens_per_s"], 2),
+            common.fmt(c["step_median_ms"], 1),
+            common.fmt(c["paired_ratio_vs_generate"], 3),
+            "yes" if c["tokens_match_generate"] else "NO",
+        ]
+        for name, c in lockstep["configs"].items()
+    ]
+    print(
+        common.markdown_table(
+            ["decode step", "tok/s (median step)", "ms/step", "ratio vs generate", "same tokens"],
+            lock_rows,
+        )
+    )
+    print()
+    checks = {}
+    for name in names:
+        if name.startswith("kvchat chunk="):
+            ratio = summary[name]["decode_ratio"]
+            ok = ratio >= DECODE_TARGET
+            checks[name] = {"decode_ratio": ratio, "target": DECODE_TARGET, "pass": ok}
+            print(
+                f"decode ratio check ({name} vs {BASELINE}, target >= {DECODE_TARGET}): "
+                f"{'PASS' if ok else 'FAIL'} ({ratio:.3f})"
+            )
+    lock_ratio = lockstep["configs"]["kvchat"]["paired_ratio_vs_generate"]
+    lock_ok = lock_ratio >= DECODE_TARGET
+    checks["lockstep kvchat"] = {
+        "decode_ratio": lock_ratio,
+        "target": DECODE_TARGET,
+        "pass": lock_ok,
+    }
+    print(
+        f"decode ratio check (lockstep kvchat step vs {BASELINE} step, target >= "
+        f"{DECODE_TARGET}): {'PASS' if lock_ok else 'FAIL'} ({lock_ratio:.3f})"
+    )
+    print(f"wall time {wall:.0f} s")
+
+    data = {
+        "benchmark": "bench_engine",
+        "model": loaded.name,
+        "dtype": loaded.dtype,
+        "context": context,
+        "new_tokens": new_tokens,
+        "decode_steps_timed": steps,
+        "repeats": repeats,
+        "prompt": f"{context} seeded random token ids (seed {args.seed}, no special tokens)",
+        "baseline": BASELINE,
+        "environment": env,
+        "results": summary,
+        "lockstep": lockstep,
+        "checks": checks,
+        "wall_seconds": wall,
+    }
+    out = common.write_json(args.out, data)
+    common.say(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
