@@ -180,6 +180,8 @@ def run(**opts: Any) -> None:
         max_new_tokens=opts["max_new_tokens"],
     )
     try:
+        if opts["conversation_id"]:  # fail fast, before loading any weights
+            opts["conversation_id"] = _store(opts).resolve(opts["conversation_id"])
         loaded = _load(opts, quiet=as_json)
         from kvchat.engine.memory import format_memory_line
 
