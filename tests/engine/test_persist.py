@@ -22,7 +22,7 @@ GREEDY = SamplingSettings(max_new_tokens=20)
 PROMPTS = ("What is the capital of France?", "And of Germany?", "Which of the two is larger?")
 
 CACHES = {
-    "residual-B5": CacheSettings(hot_window=5, prefill_chunk=8),
+    "residual-B5": CacheSettings(hot_window=5, prefill_chunk=16),
     "no-ceiling": CacheSettings(),
     "standard": CacheSettings(kind="standard"),
 }

@@ -81,10 +81,17 @@ def _three_turns(loaded, cache: CacheSettings, sampling: SamplingSettings):
     return replies, session
 
 
+@pytest.fixture(scope="module")
+def standard_three_turns(smollm2_loaded):
+    return _three_turns(
+        smollm2_loaded, CacheSettings(kind="standard"), SamplingSettings(max_new_tokens=40)
+    )
+
+
 @pytest.mark.parametrize("hot", [1, 4, 16, 64, "half", "all"])
-def test_kvdirect_equals_standard_cache_at_every_budget(smollm2_loaded, hot):
+def test_kvdirect_equals_standard_cache_at_every_budget(smollm2_loaded, standard_three_turns, hot):
     sampling = SamplingSettings(max_new_tokens=40)
-    ref, ref_session = _three_turns(smollm2_loaded, CacheSettings(kind="standard"), sampling)
+    ref, ref_session = standard_three_turns
     total = len(ref_session.token_ids)
     assert sum(map(len, ref)) >= 64
     window = {"half": total // 2, "all": total + 10}.get(hot, hot)
