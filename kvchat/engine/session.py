@@ -102,8 +102,7 @@ class ChatSession:
 
     # -- cache ---------------------------------------------------------------------------
     def _build_cache(self, forms: list[str] | None = None) -> None:
-        from kvchat.engine import memory
-
+        """``forms``: per-layer cold forms of a resumed conversation (kept as saved)."""
         settings = self.cache_settings
         self.planner = None
         if settings.kind == "standard":
@@ -115,12 +114,10 @@ class ChatSession:
             from kvchat.engine.cache import KVDirectCache
             from kvchat.engine.planner import Planner, choose_forms
 
-            if forms is not None:
-                pass  # a resumed conversation keeps the forms it was saved with
-            elif settings.max_mem is None and settings.hot_window is None:
+            if forms is None and settings.max_mem is None and settings.hot_window is None:
                 # Nothing can ever be evicted: checkpoints would be pure overhead.
                 forms = ["kv"] * self.loaded.footprint.num_layers
-            else:
+            elif forms is None:
                 forms = choose_forms(self.loaded.footprint, settings.checkpoint)
             self.forms = forms
             self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window)
@@ -130,7 +127,6 @@ class ChatSession:
             )
         else:
             raise KvchatError(f"unknown cache kind {settings.kind!r}; use kvdirect or standard")
-        self._memory = memory
 
     def _detach_cache(self) -> None:
         detach = getattr(self.cache, "detach", None)
@@ -381,7 +377,9 @@ class ChatSession:
 
     # -- accounting ----------------------------------------------------------------------
     def memory(self) -> dict[str, Any]:
-        return self._memory.snapshot(self)
+        from kvchat.engine.memory import snapshot
+
+        return snapshot(self)
 
     @property
     def compute_seconds(self) -> float:
