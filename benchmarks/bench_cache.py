@@ -411,13 +411,13 @@ def main(argv: list[str] | None = None) -> int:
         "--new-tokens",
         type=int,
         default=None,
-        help="decoded tokens per config (default 32, 16 above 4096 context)",
+        help="decoded tokens per config (default 32, 16 above 4096 context or with --quick)",
     )
     parser.add_argument(
         "--repeats",
         type=int,
         default=None,
-        help="interleaved repeats (default 3, 2 above 4096 context)",
+        help="interleaved repeats (default 3, 2 above 4096 context or with --quick)",
     )
     parser.add_argument(
         "--interleaved-steps",
@@ -433,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="contexts 512 and 1024")
+    parser.add_argument(
+        "--quick", action="store_true", help="contexts 512 and 1024, 16 tokens, 2 repeats"
+    )
     parser.add_argument("--out", default="results/bench_cache.json")
     args = parser.parse_args(argv)
 
@@ -455,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
 
     results, checks = [], []
     for context in contexts:
-        new_tokens = args.new_tokens or (32 if context <= 4096 else 16)
-        repeats = args.repeats or (3 if context <= 4096 else 2)
+        long = context > 4096 or args.quick
+        new_tokens = args.new_tokens or (16 if long else 32)
+        repeats = args.repeats or (2 if long else 3)
         t0 = time.perf_counter()
         lock_steps = new_tokens if args.interleaved_steps is None else args.interleaved_steps
         result = measure_context(

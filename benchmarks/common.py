@@ -28,8 +28,9 @@ from typing import Any
 # Before torch is imported (libgomp reads it once, at load): OpenMP threads that wait
 # passively. With the default (active spinning), 2 threads on 2 cores shared with other jobs
 # spin against each other's time slices: a SmolLM2 decode step measured 2000 ms median
-# instead of 70 ms on this machine while two test suites ran beside it. Passive waiting
-# costs nothing measurable on an idle machine. An explicit setting in the environment wins.
+# instead of 70 ms on this machine while two test suites ran beside it (and 95 vs 70 ms at
+# a load average of ~1.3). Not compared on an idle machine (none was available): run with
+# OMP_WAIT_POLICY=ACTIVE to see. An explicit setting in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
