@@ -353,8 +353,7 @@ class ChatSession:
         saved = CacheSettings(**state.get("cache", {}))
         if cache is not None:
             saved.max_mem, saved.hot_window = cache.max_mem, cache.hot_window
-        session = cls.__new__(cls)
-        ChatSession.__init__(session, loaded, system=state.get("system"), cache=saved)
+        session = cls(loaded, system=state.get("system"), cache=saved)
         if saved.kind == "kvdirect":
             session._detach_cache()
             session._build_cache(forms=state["forms"])
