@@ -197,7 +197,6 @@ def run(**opts: Any) -> None:
             save=not opts["no_save"],
             say=say,
         )
-        conversation_id = session.conversation.id if session.conversation else None
         for turn, prompt in enumerate(prompts, start=1):
             with _CancelOnSigint() as sigint:
                 on_text = None if as_json else _stream_to_stdout
@@ -205,6 +204,7 @@ def run(**opts: Any) -> None:
                     prompt, sampling, on_text=on_text, should_stop=lambda: sigint.cancelled
                 )
             if as_json:
+                conversation_id = session.conversation.id if session.conversation else None
                 click.echo(json.dumps(_turn_json(turn, prompt, result, conversation_id)))
             else:
                 if result.cancelled:

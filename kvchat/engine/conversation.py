@@ -45,14 +45,18 @@ def open_session(
         return session
     session = ChatSession(loaded, system=system, cache=cache)
     if save:
-        conversation = store.create(
-            model_name=loaded.name,
-            fingerprint=loaded.fingerprint,
-            dtype=loaded.dtype,
-            settings={"system": system, **cache.as_dict()},
-        )
-        session.attach_conversation(conversation)
-        say(f"saving as conversation {conversation.id}")
+
+        def create() -> Any:
+            conversation = store.create(
+                model_name=loaded.name,
+                fingerprint=loaded.fingerprint,
+                dtype=loaded.dtype,
+                settings={"system": system, **cache.as_dict()},
+            )
+            say(f"saving as conversation {conversation.id}")
+            return conversation
+
+        session.save_on_first_turn(create)
     return session
 
 

@@ -95,6 +95,7 @@ class ChatSession:
         self._rendered = ""  # text the token ids stand for, in the template's terms
         self._compute_seconds = 0.0
         self.conversation: Any = None  # kvchat.storage.Conversation, when saving
+        self._create_conversation: Any = None  # makes one at the first save (no empty ones)
         self._saved_upto = 0  # cache positions already in the conversation's files
         self._unsaved_messages: list[dict[str, str]] = []
         self._unsaved_ids: list[int] = []
@@ -291,7 +292,7 @@ class ChatSession:
         self._unsaved_messages += self.messages[-2:]
         self._unsaved_ids += new_ids + reply_ids
         error = outcome.error
-        if self.conversation is not None:
+        if self.conversation is not None or self._create_conversation is not None:
             save_error = self.save()
             error = save_error or error
         return TurnResult(
@@ -311,6 +312,10 @@ class ChatSession:
         """Save every turn from now on into ``conversation`` (an open, locked store entry)."""
         self.conversation = conversation
 
+    def save_on_first_turn(self, create: Callable[[], Any]) -> None:
+        """Save every turn, into a conversation ``create()`` makes at the first save."""
+        self._create_conversation = create
+
     def save(self) -> str | None:
         """Write what changed since the last save as one turn; returns an error message or
         None. On failure the conversation stays in memory and the next save retries."""
@@ -319,6 +324,9 @@ class ChatSession:
 
         n_cached = self.cache.get_seq_length()
         try:
+            if self.conversation is None:
+                self.conversation = self._create_conversation()
+                self._create_conversation = None
             self.conversation.append_turn(
                 messages=self._unsaved_messages,
                 token_ids=self._unsaved_ids,
