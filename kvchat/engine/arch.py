@@ -145,13 +145,6 @@ class ArchAdapter:
         _, key = self._apply_rope(key, key, cos, sin)
         return key, value
 
-    def project_kv(
-        self, layer_idx: int, hidden: torch.Tensor, position_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of ``hidden`` ([1, M, d], the rows of one original call) at ``position_ids``."""
-        key, value = self.project(layer_idx, self.normalize(layer_idx, hidden))
-        return self.finish(layer_idx, key, value, hidden, position_ids)
-
     def _rope(self, layer_idx: int, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
         if self._rotary_takes_layer_type:
             return self._rotary(hidden, position_ids, self.layers[layer_idx].layer_type)

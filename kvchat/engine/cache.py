@@ -31,7 +31,7 @@ none of its rows can be seen again.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,13 +68,11 @@ class _Call:
 
 @dataclass
 class CacheStats:
-    """Counters the accounting snapshot reads; reset by the session per turn if it likes."""
+    """Counters the accounting snapshot reads."""
 
     recompute_seconds: float = 0.0
     recomputed_tokens: int = 0
     scratch_peak_bytes: int = 0
-    forward_calls: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class KVDirectLayer(CacheLayerMixin):
@@ -271,9 +269,6 @@ class KVDirectLayer(CacheLayerMixin):
 
     def checkpoint_bytes(self) -> int:
         return sum(_nbytes(c.residual) for c in self.calls)
-
-    def checkpointed_tokens(self) -> int:
-        return sum(c.residual.shape[1] for c in self.calls)
 
 
 class KVDirectCache(Cache):

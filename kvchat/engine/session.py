@@ -96,6 +96,7 @@ class ChatSession:
         self._compute_seconds = 0.0
         self.conversation: Any = None  # kvchat.storage.Conversation, when saving
         self._create_conversation: Any = None  # makes one at the first save (no empty ones)
+        self._stop_ids: set[int] | None = None
         self._saved_upto = 0  # cache positions already in the conversation's files
         self._unsaved_messages: list[dict[str, str]] = []
         self._unsaved_ids: list[int] = []
@@ -187,6 +188,12 @@ class ChatSession:
         return self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def stop_ids(self) -> set[int]:
+        """EOS and end-of-turn ids; computed once (building the vocab dict is not free)."""
+        if self._stop_ids is None:
+            self._stop_ids = self._find_stop_ids()
+        return self._stop_ids
+
+    def _find_stop_ids(self) -> set[int]:
         tok = self.loaded.tokenizer
         ids: set[int] = set()
         for source in (
