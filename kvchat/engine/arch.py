@@ -7,7 +7,7 @@ family has one, and the positional encoding at the token's original position. It
 model's own modules and the modeling file's own ``apply_rotary_pos_emb``, so the arithmetic
 is the model's, not a re-implementation of it.
 
-Exactness note: the adapter must be called with exactly the rows of one original forward
+Exactness note: ``project`` must be called with exactly the rows of one original forward
 call (see ``cache.py``); the projection GEMM's result for a row depends on how many rows the
 call had.
 """
