@@ -369,6 +369,62 @@ def resume(ctx: click.Context, conversation_id: str, **opts: Any) -> None:
     run_app({**opts, "system": None, "conversation_id": conversation_id})
 
 
+def _lab_command(kind: str, help_text: str) -> None:
+    from kvchat.lab.suites import SUITES
+
+    @cli.command(name=kind, help=help_text)
+    @click.option("--quick", is_flag=True, help="Small sizes, for CI (a few minutes).")
+    @click.option(
+        "--out", "out_dir", default=None, help=f"Results directory (default: results/{kind})."
+    )
+    @click.option(
+        "--device", type=click.Choice(["cpu", "cuda", "mps"]), default="cpu", show_default=True
+    )
+    @click.option(
+        "--only",
+        multiple=True,
+        type=click.Choice(list(SUITES[kind])),
+        help="Run just these experiments (repeatable).",
+    )
+    def command(quick: bool, out_dir: str | None, device: str, only: tuple[str, ...]) -> None:
+        from pathlib import Path
+
+        from kvchat.lab.context import LabContext
+        from kvchat.lab.runner import run_suite
+        from kvchat.lab.suites import experiments
+
+        results = Path(out_dir or f"results/{kind}")
+        ctx = LabContext(
+            results_dir=results, quick=quick, device=device, say=lambda m: click.echo(m, err=True)
+        )
+        argv = " ".join(["kvchat", kind, *sys.argv[2:]])
+        try:
+            sections, paths = run_suite(kind, ctx, experiments(kind, only), command=argv)
+        except KvchatError as exc:
+            _fail(exc)
+        failed = [c for s in sections for c in s.claims if c.held is False]
+        errors = [s.key for s in sections if s.error]
+        click.echo(f"report: {paths['markdown']}  data: {paths['json']}")
+        click.echo(
+            f"{sum(len(s.claims) for s in sections)} claims checked, {len(failed)} did not hold"
+        )
+        if errors:
+            click.echo(
+                f"kvchat: error: experiments failed: {', '.join(errors)} (see {paths['markdown']})",
+                err=True,
+            )
+            sys.exit(1)
+
+
+_lab_command(
+    "verify", "Check the claims KV-Direct rests on; writes JSON, PNG plots and a Markdown report."
+)
+_lab_command(
+    "bench",
+    "Eviction baselines, a 20-turn conversation, latency per operation; JSON, PNG, Markdown.",
+)
+
+
 def main() -> None:
     cli(prog_name="kvchat")
 

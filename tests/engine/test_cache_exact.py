@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from kvchat.engine.arch import ArchAdapter
 from kvchat.engine.cache import KVDirectCache
 from kvchat.engine.generate import forward, prefill
-from tests.engine.tiny_models import FAMILIES, tiny_model
+from kvchat.lab.tiny_models import FAMILIES, tiny_model
 
 TURN_LENGTHS = (40, 23, 9)  # user turns, in tokens
 NEW_PER_TURN = 22  # 66 generated in all

@@ -1,0 +1,41 @@
+"""What every lab experiment is given: where to write, how big to run, which models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REAL_MODELS = ("smollm2-135m", "gemma-3-270m")
+
+
+@dataclass
+class LabContext:
+    results_dir: Path
+    quick: bool = False
+    device: str = "cpu"
+    models: tuple[str, ...] = REAL_MODELS
+    say: Callable[[str], None] = print
+    _loaded: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
+
+    def figure(self, name: str) -> tuple[Path, str]:
+        """(absolute path to save a PNG to, path relative to the results dir for the report)."""
+        folder = self.results_dir / "figures"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / f"{name}.png", f"figures/{name}.png"
+
+    def load(self, spec: str, dtype: str = "float32") -> Any:
+        """A real model as the engine holds it (``LoadedModel``), loaded once per run."""
+        key = (spec, dtype)
+        if key not in self._loaded:
+            from transformers.utils import logging as hf_logging
+
+            from kvchat.engine.loader import load
+
+            hf_logging.set_verbosity_error()
+            self._loaded[key] = load(spec, device=self.device, dtype=dtype, progress=self.say)
+        return self._loaded[key]
+
+    def release(self) -> None:
+        self._loaded.clear()
