@@ -31,19 +31,20 @@ def open_session(
     from kvchat.paths import data_dir as resolve_data_dir
     from kvchat.storage import ConversationStore
 
-    store = ConversationStore(resolve_data_dir(data_dir))
+    root = resolve_data_dir(data_dir)
+    store = ConversationStore(root)
     if conversation_id:
         conversation = store.open(
             conversation_id, fingerprint=loaded.fingerprint, dtype=loaded.dtype
         )
         try:
-            session = ChatSession.resume(loaded, conversation, cache)
+            session = ChatSession.resume(loaded, conversation, cache, spill_root=root)
         except BaseException:
             conversation.close()
             raise
         say(f"resumed conversation {conversation.id} ({len(conversation.manifest.turns)} turns)")
         return session
-    session = ChatSession(loaded, system=system, cache=cache)
+    session = ChatSession(loaded, system=system, cache=cache, spill_root=root)
     if save:
 
         def create() -> Any:

@@ -49,18 +49,22 @@ def fingerprint(loaded: LoadedModel, model_dir: Path | None) -> str:
     return digest.hexdigest()
 
 
-def turn_tensors(cache: Any, since: int) -> dict[str, torch.Tensor]:
-    """What the cache gained at positions >= ``since``, as CPU tensors for a segment file."""
+def turn_tensors(cache: Any, since: int) -> dict[str, Any]:
+    """What the cache gained at positions >= ``since``, for a segment file.
+
+    Residual rows that the disk tier already moved out of memory are streamed from their
+    files into the segment (``StreamedTensor``), never gathered in memory whole.
+    """
     from kvchat.engine.cache import KVDirectCache
 
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for i, layer in enumerate(cache.layers):
         if isinstance(cache, KVDirectCache) and layer.form == "residual":
             calls = [c for c in layer.calls if c.start >= since]
             if not calls:
                 continue
-            out[f"L{i}.residual"] = torch.cat([c.residual for c in calls], dim=1).cpu()
-            out[f"L{i}.calls"] = torch.tensor([c.residual.shape[1] for c in calls])
+            out[f"L{i}.residual"] = _residual_rows(layer, calls)
+            out[f"L{i}.calls"] = torch.tensor([c.rows for c in calls])
             out[f"L{i}.first"] = torch.tensor([calls[0].start])
             continue
         if layer.keys is None or layer.keys.shape[-2] == 0:
@@ -76,39 +80,131 @@ def turn_tensors(cache: Any, since: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def restore(session: ChatSession, segments: list[dict[str, torch.Tensor]], n_cached: int) -> None:
-    """Rebuild ``session.cache`` from the saved segments, in turn order."""
+def _residual_rows(layer: Any, calls: list) -> Any:
+    from kvchat.engine.disk_tier import tensor_view
+    from kvchat.storage.segments import StreamedTensor
+
+    if all(c.residual is not None for c in calls):
+        return torch.cat([c.residual for c in calls], dim=1).cpu()
+    first = calls[0].residual if calls[0].residual is not None else calls[0].disk
+    shape = (1, sum(c.rows for c in calls), first.shape[-1])
+
+    def chunks():
+        # A bounded run of calls at a time: resident rows as they are, disk rows read back.
+        i = 0
+        while i < len(calls):
+            j, rows = i + 1, calls[i].rows
+            while j < len(calls) and rows + calls[j].rows <= READ_ROWS:
+                rows += calls[j].rows
+                j += 1
+            for rows_tensor in layer._load(calls[i:j]):
+                yield tensor_view(rows_tensor.detach().to("cpu").contiguous())
+            i = j
+
+    return StreamedTensor(first.dtype, shape, chunks)
+
+
+READ_ROWS = 256
+
+
+def note_saved(session: ChatSession, turn_index: int, since: int) -> None:
+    """After a save: remember where each new call's rows sit in the segment, so the disk
+    tier reads them from there (and never writes them again); spill files go empty."""
+    from kvchat.engine.cache import KVDirectCache
+
+    cache = session.cache
+    if not isinstance(cache, KVDirectCache) or session.cache_settings.max_mem is None:
+        return
+    conversation = session.conversation
+    layout = conversation.tensor_layout(turn_index)
+    path = conversation.segment_path(turn_index)
+    for i, layer in enumerate(cache.layers):
+        where = layout.get(f"L{i}.residual")
+        if layer.form != "residual" or where is None:
+            continue
+        _point_calls(cache, layer, [c for c in layer.calls if c.start >= since], where, path)
+    if cache._spill is not None:
+        cache._spill.empty()
+
+
+def _point_calls(cache: Any, layer: Any, calls: list, where: Any, path: Path) -> None:
+    from kvchat.engine.disk_tier import DiskRows
+
+    file = cache.row_file(path)
+    offset = where.offset
+    itemsize = torch.empty((), dtype=where.dtype).element_size()
+    width = where.shape[-1]
+    for call in calls:
+        call.saved = DiskRows(file, offset, (1, call.rows, width), where.dtype)
+        if call.residual is None:
+            call.disk = call.saved
+        offset += call.rows * width * itemsize
+
+
+def restore(session: ChatSession, conversation: Any, n_cached: int) -> None:
+    """Rebuild ``session.cache`` from the saved segments, in turn order.
+
+    Residual checkpoints are not loaded: each call points at its rows in the segment file,
+    and the disk tier reads them when needed (or all at once when the ceiling allows).
+    K/V-form layers and the standard cache load their tensors.
+    """
     from kvchat.engine.cache import KVDirectCache, _Call
 
     cache = session.cache
     device = session.loaded.device
     kv_parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-    for tensors in segments:
+    for turn in conversation.manifest.turns:
+        layout = conversation.tensor_layout(turn.index)
+        path = conversation.segment_path(turn.index)
+        small = _small_tensors(conversation, turn.index, layout)
+        tensors = None  # K/V tensors of this turn, read once if any layer needs them
         for i, layer in enumerate(cache.layers):
-            if f"L{i}.first" not in tensors:
+            if f"L{i}.first" not in layout:
                 continue
-            first = int(tensors[f"L{i}.first"][0])
-            if f"L{i}.residual" in tensors:
+            first = int(small[f"L{i}.first"][0])
+            if f"L{i}.residual" in layout:
                 if not isinstance(cache, KVDirectCache) or layer.form != "residual":
                     raise ValueError(f"layer {i} was saved as residuals but is not residual form")
-                rows = tensors[f"L{i}.residual"].to(device)
-                offset = 0
-                for length in tensors[f"L{i}.calls"].tolist():
-                    piece = rows[:, offset : offset + length].clone()
-                    layer.calls.append(_Call(first + offset, piece))
-                    offset += length
+                calls, start = [], first
+                for length in small[f"L{i}.calls"].tolist():
+                    calls.append(_Call(start, None))
+                    start += length
+                    calls[-1].disk = _placeholder(length)
+                _point_calls(cache, layer, calls, layout[f"L{i}.residual"], path)
+                layer.calls.extend(calls)
+                layer.device = device  # where rows read back from disk must go
             else:
+                if tensors is None:
+                    tensors = conversation.read_turn_tensors(turn.index)
                 k = tensors[f"L{i}.k"].to(device)
                 v = tensors[f"L{i}.v"].to(device)
                 kv_parts.setdefault(i, []).append((first, k, v))
 
+    disk_tier = isinstance(cache, KVDirectCache) and cache.checkpoint_budget is not None
     for i, layer in enumerate(cache.layers):
         parts = kv_parts.get(i)
         if parts:
             _restore_kv(layer, parts, n_cached)
         layer.cumulative_length = n_cached
         if isinstance(cache, KVDirectCache) and layer.form == "residual":
+            if layer.is_sliding:
+                needed_from = n_cached - layer.sliding_window + 1
+                layer.calls = [c for c in layer.calls if c.end > needed_from]
+            if not disk_tier:
+                layer.load_resident()
             _restore_hot(layer, n_cached)
+
+
+def _placeholder(rows: int) -> Any:
+    """Stand-in location so ``rows`` is known until the call is pointed at its segment."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(shape=(1, rows, 0))
+
+
+def _small_tensors(conversation: Any, index: int, layout: dict) -> dict[str, torch.Tensor]:
+    names = [n for n in layout if n.endswith(".first") or n.endswith(".calls")]
+    return {n: conversation.open_slice(index, n, 0, layout[n].shape[0]) for n in names}
 
 
 def _restore_kv(layer: Any, parts: list, n_cached: int) -> None:
@@ -130,9 +226,6 @@ def _restore_hot(layer: Any, n_cached: int) -> None:
     """Recompute the hot window's K/V from the checkpoints (same replay, same bits)."""
     if not layer.calls:
         return
-    if layer.is_sliding:
-        needed_from = n_cached - layer.sliding_window + 1
-        layer.calls = [c for c in layer.calls if c.end > needed_from]
     window = layer.owner.hot_window
     keep = n_cached if window is None else window
     if layer.is_sliding:

@@ -10,13 +10,21 @@ forward call, because B must shrink as the conversation grows: conversation stat
   + token ids (8 bytes each)
 
 where sliding-window layers keep at most about one window of tokens. The largest B whose
-state fits is chosen. If even B = 0 does not fit, the checkpoints themselves are over the
-ceiling: the engine raises ``NeedsDiskTierError`` rather than drop context.
+state fits is chosen.
+
+If even B = 0 does not fit, the checkpoints themselves are over the ceiling and the plan
+moves to the disk tier (``Plan.checkpoint_budget``): residual checkpoints beyond a resident
+budget live in files and are read back in bounded chunks. If one layer's whole K/V for the
+context (the scratch handed to attention) does not fit either, attention is streamed over
+chunks of recomputed K/V (``Plan.stream_chunk``, see streamed_attention.py), which keeps the
+greedy tokens but not bit-identical logits. Only when token ids, K/V-form layers and the
+smallest chunk's scratch alone pass the ceiling does the engine raise
+``NeedsDiskTierError`` (the name predates the disk tier: "even the disk tier cannot help").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvchat.engine.footprint import LayerFootprint, ModelFootprint
 from kvchat.errors import NeedsDiskTierError
@@ -78,6 +86,25 @@ class StateEstimate:
         return self.hot_kv + self.checkpoints + self.scratch + self.token_ids
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What the cache does for the next forward call."""
+
+    hot_window: int | None = None  # None: keep every token's K/V hot
+    checkpoint_budget: int | None = None  # resident checkpoint bytes; None: all in memory
+    stream_chunk: int | None = None  # rows per streamed attention chunk; None: whole K/V
+    prefill_chunk: int | None = None  # cap on rows per forward call (streamed scratch)
+    estimate: StateEstimate | None = field(default=None, compare=False)
+
+    @property
+    def disk_tier(self) -> bool:
+        return self.checkpoint_budget is not None
+
+
+READ_CHUNK_ROWS = 256  # residual rows read from disk at once on the bit-identical path
+STREAM_CHUNKS = (1024, 512, 256, 128, 64, 32, 16)
+
+
 class Planner:
     """Derives the hot window from the ceiling for a given number of tokens."""
 
@@ -111,27 +138,87 @@ class Planner:
 
     def hot_window_for(self, n_tokens: int) -> int | None:
         """Largest B that fits under the ceiling at ``n_tokens`` (None: keep everything)."""
+        return self.plan(n_tokens).hot_window
+
+    def plan(self, n_tokens: int) -> Plan:
+        """Hot window, and the disk tier when checkpoints alone pass the ceiling."""
         if self.ceiling is None:
-            return None
+            return Plan()
         if self.estimate(n_tokens, None).total <= self.ceiling:
-            return None
+            return Plan(estimate=self.estimate(n_tokens, None))
         floor = self.estimate(n_tokens, 0)
-        if floor.total > self.ceiling:
-            raise NeedsDiskTierError(
-                f"{n_tokens} tokens need {human_bytes(floor.total)} of conversation state even "
-                f"with every K/V recomputed (checkpoints {human_bytes(floor.checkpoints)}, "
-                f"scratch {human_bytes(floor.scratch)}), over --max-mem "
-                f"{human_bytes(self.ceiling)}; raise --max-mem or shorten the conversation "
-                "(the disk tier is not available yet)"
-            )
+        if floor.total <= self.ceiling:
+            b = self._largest(n_tokens, lambda w: self.estimate(n_tokens, w).total)
+            return Plan(hot_window=b, estimate=self.estimate(n_tokens, b))
+        return self._disk_plan(n_tokens, floor)
+
+    def _largest(self, n_tokens: int, cost) -> int:
         lo, hi = 0, n_tokens
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.estimate(n_tokens, mid).total <= self.ceiling:
+            if cost(mid) <= self.ceiling:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
+
+    # -- disk tier -----------------------------------------------------------------------
+    def _disk_plan(self, n_tokens: int, floor: StateEstimate) -> Plan:
+        residual = [
+            (layer, _visible(layer, n_tokens))
+            for layer, form in zip(self.fp.layers, self.forms)
+            if form == "residual"
+        ]
+        kv_state = sum(
+            _visible(layer, n_tokens) * layer.kv_bytes
+            for layer, form in zip(self.fp.layers, self.forms)
+            if form == "kv"
+        )
+        fixed = n_tokens * TOKEN_ID_BYTES + kv_state
+        if not residual:
+            raise NeedsDiskTierError(
+                f"{n_tokens} tokens need {human_bytes(floor.total)} of K/V, over --max-mem "
+                f"{human_bytes(self.ceiling)}; the disk tier holds residual checkpoints: use "
+                "--checkpoint residual, or raise --max-mem"
+            )
+        whole = max(
+            2 * visible * layer.kv_bytes + READ_CHUNK_ROWS * layer.residual_bytes
+            for layer, visible in residual
+        )
+        stream_chunk = prefill_cap = None
+        scratch = whole
+        if fixed + scratch > self.ceiling // 2:
+            for chunk in STREAM_CHUNKS:
+                rows = min(chunk, self.prefill_chunk)
+                scratch = max(self._stream_scratch(layer, rows) for layer, _ in residual)
+                if fixed + scratch <= self.ceiling // 2:
+                    stream_chunk, prefill_cap = rows, rows
+                    break
+            else:
+                raise NeedsDiskTierError(
+                    f"--max-mem {human_bytes(self.ceiling)} is too small for {n_tokens} tokens "
+                    f"even with checkpoints on disk (token ids and K/V-form layers "
+                    f"{human_bytes(fixed)}, smallest recompute scratch {human_bytes(scratch)}); "
+                    "raise --max-mem"
+                )
+        room = self.ceiling - fixed - scratch
+
+        def hot(window: int) -> int:
+            return sum(min(window, visible) * layer.kv_bytes for layer, visible in residual)
+
+        b = self._largest(n_tokens, lambda w: hot(w) * 2)  # half the room for the hot window
+        b = min(b, max(0, room // 2 // max(1, sum(x.kv_bytes for x, _ in residual))))
+        budget = max(0, room - hot(b))
+        estimate = StateEstimate(hot(b), budget, scratch, n_tokens * TOKEN_ID_BYTES)
+        return Plan(b, budget, stream_chunk, prefill_cap, estimate)
+
+    def _stream_scratch(self, layer: LayerFootprint, rows: int) -> int:
+        """Peak bytes of one streamed chunk: residual rows read and normed, their K/V, K/V
+        widened to every query head, and the chunk's scores for a prefill of ``rows``."""
+        heads = layer.hidden_size // layer.head_dim if layer.head_dim else layer.kv_heads
+        groups = max(1, heads // max(1, layer.kv_heads))
+        per_row = 2 * layer.residual_bytes + layer.kv_bytes * (1 + groups) + heads * rows * 8
+        return rows * per_row
 
 
 def _visible(layer: LayerFootprint, n_tokens: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvchat.engine.settings import CacheSettings, SamplingSettings
@@ -86,6 +87,7 @@ class ChatSession:
         *,
         system: str | None = None,
         cache: CacheSettings | None = None,
+        spill_root: Path | None = None,
     ) -> None:
         self.loaded = loaded
         self.system = system
@@ -100,6 +102,8 @@ class ChatSession:
         self._saved_upto = 0  # cache positions already in the conversation's files
         self._unsaved_messages: list[dict[str, str]] = []
         self._unsaved_ids: list[int] = []
+        self.spill_root: Path | None = spill_root  # where the disk tier spills (data dir)
+        self.plan: Any = None  # the planner's last Plan (kvdirect under a ceiling)
         self._build_cache()
 
     # -- cache ---------------------------------------------------------------------------
@@ -123,6 +127,7 @@ class ChatSession:
                 forms = choose_forms(self.loaded.footprint, settings.checkpoint)
             self.forms = forms
             self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window)
+            self.cache.spill_root = self.spill_root
             self.cache.attach()
             self.planner = Planner(
                 self.loaded.footprint, forms, settings.max_mem, settings.prefill_chunk
@@ -131,9 +136,9 @@ class ChatSession:
             raise KvchatError(f"unknown cache kind {settings.kind!r}; use kvdirect or standard")
 
     def _detach_cache(self) -> None:
-        detach = getattr(self.cache, "detach", None)
-        if detach is not None:
-            detach()
+        close = getattr(self.cache, "close", None)
+        if close is not None:
+            close()
 
     def close(self) -> None:
         """Unhook the cache from the model and release the conversation's lock."""
@@ -146,15 +151,28 @@ class ChatSession:
             if self.cache_settings.max_mem is not None:
                 self._check_standard_ceiling(n_new)
             return
-        self.cache.hot_window = self._plan(self.cache.get_seq_length() + n_new)
+        self.plan = self._plan(self.cache.get_seq_length() + n_new)
+        self.cache.apply_plan(self.plan)
 
-    def _plan(self, n_tokens: int) -> int | None:
-        """Hot window for ``n_tokens``: the planner's under the ceiling, capped by --hot-window."""
-        planned = self.planner.hot_window_for(n_tokens)
+    def _plan(self, n_tokens: int) -> Any:
+        """The planner's plan for ``n_tokens``, its hot window capped by --hot-window."""
+        import dataclasses
+
+        plan = self.planner.plan(n_tokens)
         explicit = self.cache_settings.hot_window
         if explicit is not None:
-            planned = explicit if planned is None else min(planned, explicit)
-        return planned
+            window = explicit if plan.hot_window is None else min(plan.hot_window, explicit)
+            plan = dataclasses.replace(plan, hot_window=window)
+        return plan
+
+    def _prefill_chunk(self, n_new: int) -> int:
+        """Rows per forward call: the user's chunk, smaller when attention is streamed."""
+        chunk = self.cache_settings.prefill_chunk
+        if self.planner is not None:
+            cap = self._plan(self.cache.get_seq_length() + n_new).prefill_chunk
+            if cap is not None:
+                chunk = min(chunk, cap)
+        return chunk
 
     def _check_standard_ceiling(self, n_new: int) -> None:
         from kvchat.engine.planner import human_bytes
@@ -278,7 +296,7 @@ class ChatSession:
             device=self.loaded.device,
             settings=sampling,
             stop_ids=self.stop_ids(),
-            prefill_chunk=self.cache_settings.prefill_chunk,
+            prefill_chunk=self._prefill_chunk(len(to_feed) + sampling.max_new_tokens),
             before_forward=self._before_forward,
             on_token=on_token,
             should_stop=should_stop,
@@ -326,7 +344,7 @@ class ChatSession:
     def save(self) -> str | None:
         """Write what changed since the last save as one turn; returns an error message or
         None. On failure the conversation stays in memory and the next save retries."""
-        from kvchat.engine.persist import turn_tensors
+        from kvchat.engine.persist import note_saved, turn_tensors
         from kvchat.errors import StorageError
 
         n_cached = self.cache.get_seq_length()
@@ -349,13 +367,18 @@ class ChatSession:
             )
         except StorageError as exc:
             return str(exc)
+        note_saved(self, len(self.conversation.manifest.turns), self._saved_upto)
         self._saved_upto = n_cached
         self._unsaved_messages, self._unsaved_ids = [], []
         return None
 
     @classmethod
     def resume(
-        cls, loaded: LoadedModel, conversation: Any, cache: CacheSettings | None = None
+        cls,
+        loaded: LoadedModel,
+        conversation: Any,
+        cache: CacheSettings | None = None,
+        spill_root: Path | None = None,
     ) -> ChatSession:
         """Rebuild a saved conversation exactly: messages, token ids and the cache state.
 
@@ -368,15 +391,15 @@ class ChatSession:
         saved = CacheSettings(**state.get("cache", {}))
         if cache is not None:
             saved.max_mem, saved.hot_window = cache.max_mem, cache.hot_window
-        session = cls(loaded, system=state.get("system"), cache=saved)
+        session = cls(loaded, system=state.get("system"), cache=saved, spill_root=spill_root)
         if saved.kind == "kvdirect":
             session._detach_cache()
             session._build_cache(forms=state["forms"])
         n_cached = int(state.get("n_cached", 0))
         if session.planner is not None:
-            session.cache.hot_window = session._plan(n_cached)
-        segments = [conversation.read_turn_tensors(t.index) for t in manifest.turns]
-        restore(session, segments, n_cached)
+            session.plan = session._plan(n_cached)
+            session.cache.apply_plan(session.plan)
+        restore(session, conversation, n_cached)
         session.messages = [dict(m) for m in manifest.messages]
         session.token_ids = list(manifest.token_ids)
         session._rendered = state.get("rendered", "")
@@ -385,9 +408,11 @@ class ChatSession:
         return session
 
     def disk_bytes(self) -> int:
+        """Saved segments plus checkpoints spilled since the last save."""
+        spilled = getattr(self.cache, "disk_bytes", lambda: 0)()
         if self.conversation is None:
-            return 0
-        return sum(t.segment.nbytes for t in self.conversation.manifest.turns)
+            return spilled
+        return spilled + sum(t.segment.nbytes for t in self.conversation.manifest.turns)
 
     # -- accounting ----------------------------------------------------------------------
     def memory(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
 
 TMP_MARK = ".tmp-"
@@ -63,6 +64,32 @@ def write_atomic(path: Path, data: bytes | bytearray | memoryview) -> None:
     try:
         try:
             _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        fsync_dir(directory)
+    except OSError as e:
+        raise DirSyncError(e.errno, f"fsync of directory {directory} failed: {e.strerror}") from e
+
+
+def write_atomic_stream(path: Path, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
+    """``write_atomic`` for data produced piece by piece, never held whole in memory."""
+    path = Path(path)
+    directory = path.parent
+    tmp = directory / f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        try:
+            for chunk in chunks:
+                _write_all(fd, chunk)
             os.fsync(fd)
         finally:
             os.close(fd)

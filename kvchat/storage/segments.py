@@ -14,17 +14,22 @@ at a time costs a header parse and a small read, not a full-file hash.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
+import struct
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kvchat.storage.atomic import write_atomic
+from kvchat.storage.atomic import write_atomic, write_atomic_stream
 from kvchat.storage.manifest import SegmentCorruptedError, SegmentInfo, one_line
 
 SEGMENT_METADATA = {"kvchat": "segment", "format": "1"}
@@ -49,6 +54,117 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, SegmentInfo]:
         prepared[name] = tensor.detach().to("cpu").contiguous()
     data = st_save(prepared, metadata=SEGMENT_METADATA)
     return data, SegmentInfo(file="", sha256=hashlib.sha256(data).hexdigest(), nbytes=len(data))
+
+
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+@dataclass
+class StreamedTensor:
+    """A tensor written piece by piece: its bytes come from ``chunks()`` in row-major order.
+
+    Lets a segment hold more than fits in memory (the disk tier's residual checkpoints): the
+    writer never needs the whole tensor at once.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: Callable[[], Iterator[bytes | bytearray | memoryview]]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where one tensor's bytes sit inside a segment file."""
+
+    offset: int  # from the start of the file
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def write_segment_stream(
+    path: Path, tensors: Mapping[str, torch.Tensor | StreamedTensor]
+) -> SegmentInfo:
+    """Write a safetensors segment atomically without holding it in memory; returns its info.
+
+    The header is built from shapes first, then each tensor's bytes are streamed in order
+    and hashed on the way, so the checksum is of exactly the bytes written.
+    """
+    header: dict[str, Any] = {"__metadata__": SEGMENT_METADATA}
+    offset = 0
+    order = sorted(tensors)
+    for name in order:
+        tensor = tensors[name]
+        dtype, shape = tensor.dtype, tuple(tensor.shape)
+        if dtype not in _ST_DTYPES:
+            raise TypeError(f"tensor {name!r}: dtype {dtype} cannot go in a segment")
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    digest = hashlib.sha256()
+    total = 8 + len(head) + offset
+
+    def pieces() -> Iterator[bytes | bytearray | memoryview]:
+        prefix = struct.pack("<Q", len(head)) + head
+        digest.update(prefix)
+        yield prefix
+        for name in order:
+            tensor = tensors[name]
+            expected = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            written = 0
+            parts = (
+                tensor.chunks() if isinstance(tensor, StreamedTensor) else [_tensor_bytes(tensor)]
+            )
+            for part in parts:
+                view = memoryview(part).cast("B")
+                digest.update(view)
+                written += len(view)
+                yield view
+            if written != expected:
+                raise ValueError(f"tensor {name!r} produced {written} bytes, expected {expected}")
+
+    write_atomic_stream(path, pieces())
+    return SegmentInfo(file=path.name, sha256=digest.hexdigest(), nbytes=total)
+
+
+def tensor_layout(path: Path) -> dict[str, TensorLocation]:
+    """Byte locations of every tensor in a safetensors file, from its header alone."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    base = 8 + n
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        out[name] = TensorLocation(
+            base + begin, end - begin, _TORCH_DTYPES[entry["dtype"]], tuple(entry["shape"])
+        )
+    return out
 
 
 def write_segment(path: Path, data: bytes) -> None:

@@ -199,7 +199,7 @@ class Conversation:
         *,
         messages: list[dict[str, Any]],
         token_ids: list[int],
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | segments.StreamedTensor],
         extra: dict[str, Any] | None = None,
         engine_state: dict[str, Any] | None = None,
     ) -> None:
@@ -234,7 +234,12 @@ class Conversation:
                 else _json_dict(engine_state, "engine_state")
             )
 
-            data, info = segments.encode(tensors)
+            streamed = any(isinstance(t, segments.StreamedTensor) for t in tensors.values())
+            if streamed:
+                data = None
+                info = segments.SegmentInfo(file="", sha256="", nbytes=0)
+            else:
+                data, info = segments.encode(tensors)
             old = self.manifest
             index = len(old.turns) + 1
             info.file = segment_file_name(index)
@@ -257,7 +262,12 @@ class Conversation:
 
             seg_path = self.path / SEGMENTS_DIR / info.file
             try:
-                segments.write_segment(seg_path, data)
+                if streamed:
+                    written = segments.write_segment_stream(seg_path, tensors)
+                    info.sha256, info.nbytes = written.sha256, written.nbytes
+                    text = new.to_json()
+                else:
+                    segments.write_segment(seg_path, data)
                 try:
                     write_text_atomic(self.path / MANIFEST_NAME, text)
                 except DirSyncError:
@@ -335,6 +345,15 @@ class Conversation:
             path = self.path / SEGMENTS_DIR / turn.segment.file
             for name, tensor in segments.iter_segment(path, turn.segment, self.id):
                 yield turn.index, name, tensor
+
+    def tensor_layout(self, index: int) -> dict[str, segments.TensorLocation]:
+        """Where each tensor of turn ``index`` sits in its segment file (after verifying it),
+        so the engine can read rows back in bounded pieces instead of loading the turn."""
+        self._check_open()
+        turn = self._turn(index)
+        path = self.segment_path(index)
+        segments.verify(path, turn.segment, self.id)
+        return segments.tensor_layout(path)
 
     def open_slice(self, index: int, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` along the first dimension of tensor ``name`` of turn

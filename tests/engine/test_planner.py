@@ -51,12 +51,35 @@ def test_hot_window_shrinks_as_the_conversation_grows_and_always_fits():
         assert planner.estimate(n, w).total <= ceiling < planner.estimate(n, w + 1).total
 
 
-def test_checkpoints_over_the_ceiling_ask_for_the_disk_tier():
-    planner, _ = smollm2_planner(2 * 10**6)
+def test_checkpoints_over_the_ceiling_move_to_the_disk_tier_and_the_plan_fits():
+    ceiling = 2 * 10**6
+    planner, _ = smollm2_planner(ceiling)
+    for n in (2000, 8192):
+        plan = planner.plan(n)
+        assert plan.disk_tier and plan.estimate.total <= ceiling
+        # one layer's K/V for the whole context (12 MB at 8K) cannot be handed over whole
+        assert plan.stream_chunk is not None and plan.prefill_chunk == plan.stream_chunk
+
+
+def test_disk_tier_keeps_the_bit_identical_path_when_one_layer_fits():
+    planner, _ = smollm2_planner(64 * 10**6)
+    plan = planner.plan(8192)
+    assert plan.disk_tier and plan.stream_chunk is None and plan.hot_window > 0
+    assert plan.estimate.total <= 64 * 10**6
+
+
+def test_a_ceiling_too_small_even_for_the_disk_tier_says_what_to_do():
+    planner, _ = smollm2_planner(50_000)
     with pytest.raises(NeedsDiskTierError) as err:
-        planner.hot_window_for(2000)
+        planner.plan(8192)  # 64 KB of token ids alone
     message = str(err.value)
-    assert "\n" not in message and "--max-mem" in message
+    assert "\n" not in message and "raise --max-mem" in message
+
+
+def test_kv_checkpoints_over_the_ceiling_point_to_residual_form():
+    planner, _ = smollm2_planner(2 * 10**6, checkpoint="kv")
+    with pytest.raises(NeedsDiskTierError, match="--checkpoint residual"):
+        planner.plan(2000)
 
 
 def test_auto_picks_kv_for_gqa_and_residual_for_mha():

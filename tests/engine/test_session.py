@@ -126,7 +126,9 @@ def test_seeded_sampling_gives_identical_text(smollm2_loaded):
 def test_prompt_over_the_ceiling_is_refused_and_nothing_is_lost(smollm2_loaded):
     from kvchat.errors import NeedsDiskTierError
 
-    session = ChatSession(smollm2_loaded, cache=CacheSettings(max_mem=6_000_000))
+    # K/V checkpoints cannot go to the disk tier (it holds residuals), so 6 MB is a hard limit.
+    settings = CacheSettings(max_mem=6_000_000, checkpoint="kv")
+    session = ChatSession(smollm2_loaded, cache=settings)
     first = session.send("Hi!", SamplingSettings(max_new_tokens=4))
     before = (list(session.messages), list(session.token_ids), session.cache.get_seq_length())
     with pytest.raises(NeedsDiskTierError, match="--max-mem"):
@@ -136,7 +138,7 @@ def test_prompt_over_the_ceiling_is_refused_and_nothing_is_lost(smollm2_loaded):
 
 
 def test_reply_reaching_the_ceiling_ends_early_and_keeps_what_was_said(smollm2_loaded):
-    session = ChatSession(smollm2_loaded, cache=CacheSettings(max_mem=4_500_000))
+    session = ChatSession(smollm2_loaded, cache=CacheSettings(max_mem=4_500_000, checkpoint="kv"))
     result = session.send("Write a long story about a cat.", SamplingSettings(max_new_tokens=200))
     assert result.finish_reason == "ceiling" and "--max-mem" in result.error
     assert result.reply and session.messages[-1]["content"] == result.reply

@@ -1,0 +1,182 @@
+"""The disk tier: residual checkpoints that live in files, read back in bounded pieces.
+
+When resident conversation state would pass ``--max-mem``, a layer's oldest checkpoints
+move out of memory. Until the turn is saved they go to the session's spill files (one
+append-only raw file per layer, under the data dir, deleted when the session closes); once a
+turn is saved they are re-pointed at the conversation's own segment files (safetensors,
+checksummed), and the spill files are emptied. Either way a checkpoint on disk is a
+``DiskRows``: a file, a byte offset, a shape and a dtype, read with one ``preadv`` into a
+fresh buffer, never memory-mapped, so what is read counts as scratch until it is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvchat.errors import StorageError
+
+SPILL_DIR_NAME = "spill"
+
+
+class RowFile:
+    """An open file that checkpoint rows are read from (a spill file or a saved segment)."""
+
+    def __init__(self, path: Path, writable: bool = False) -> None:
+        self.path = Path(path)
+        flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
+        self.fd = os.open(self.path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
+        self.size = os.fstat(self.fd).st_size
+
+    def read_into(self, buffer: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(self.fd, [buffer[done:]], offset + done)
+            if n <= 0:
+                raise StorageError(
+                    f"residual file {self.path} ended early (wanted {len(buffer)} bytes at "
+                    f"{offset}); the conversation's files are damaged — export or delete it"
+                )
+            done += n
+
+    def append(self, data: memoryview) -> int:
+        """Write ``data`` at the end; returns its offset. OSError (disk full) propagates."""
+        offset = self.size
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], offset + done)
+        self.size += len(data)
+        return offset
+
+    def truncate(self) -> None:
+        os.ftruncate(self.fd, 0)
+        self.size = 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass(frozen=True)
+class DiskRows:
+    """Checkpoint rows that sit in a file: ``shape`` ([1, M, d]) elements of ``dtype``."""
+
+    file: RowFile
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def tensor_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def read_rows(parts: list[DiskRows], device: torch.device | str) -> list[torch.Tensor]:
+    """Load several runs of rows; runs adjacent in one file are read with a single call."""
+    out: list[torch.Tensor] = []
+    i = 0
+    while i < len(parts):
+        j = i
+        while (
+            j + 1 < len(parts)
+            and parts[j + 1].file is parts[i].file
+            and parts[j + 1].offset == parts[j].offset + parts[j].nbytes
+            and parts[j + 1].dtype == parts[i].dtype
+        ):
+            j += 1
+        run = parts[i : j + 1]
+        total = sum(p.nbytes for p in run)
+        buffer = torch.empty(total, dtype=torch.uint8)
+        run[0].file.read_into(tensor_view(buffer), run[0].offset)
+        at = 0
+        for part in run:
+            rows = buffer[at : at + part.nbytes].view(part.dtype).reshape(part.shape)
+            out.append(rows.to(device) if str(device) != "cpu" else rows)
+            at += part.nbytes
+        i = j + 1
+    return out
+
+
+class SpillArea:
+    """The session's spill files: one append-only file per layer in a private directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.path: Path | None = None
+        self.files: dict[int, RowFile] = {}
+
+    def _dir(self) -> Path:
+        if self.path is None:
+            base = self.root / SPILL_DIR_NAME
+            base.mkdir(parents=True, exist_ok=True)
+            _sweep_stale(base)
+            self.path = base / f"{os.getpid()}-{secrets.token_hex(4)}"
+            self.path.mkdir()
+        return self.path
+
+    def write(self, layer: int, rows: torch.Tensor) -> DiskRows:
+        """Move ``rows`` ([1, M, d]) to layer ``layer``'s spill file."""
+        file = self.files.get(layer)
+        if file is None:
+            try:
+                file = self.files[layer] = RowFile(self._dir() / f"L{layer}.bin", writable=True)
+            except OSError as e:
+                raise StorageError(
+                    f"cannot create spill files under {self.root} ({e.strerror}); free space or "
+                    "choose another --data-dir"
+                ) from None
+        cpu = rows.detach().to("cpu").contiguous()
+        try:
+            offset = file.append(tensor_view(cpu))
+        except OSError as e:
+            raise StorageError(
+                f"moving checkpoints to disk failed ({e.strerror}) in {file.path.parent}; "
+                "free disk space or raise --max-mem"
+            ) from None
+        return DiskRows(file, offset, tuple(cpu.shape), cpu.dtype)
+
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def empty(self) -> None:
+        """Every spilled row now lives in a saved segment: the spill files can go empty."""
+        for file in self.files.values():
+            file.truncate()
+
+    def close(self) -> None:
+        for file in self.files.values():
+            file.close()
+        self.files.clear()
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+
+def _sweep_stale(base: Path) -> None:
+    """Remove spill directories of processes that no longer run (a crash leaves them)."""
+    for entry in base.iterdir():
+        pid_text = entry.name.split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except PermissionError:
+            pass

@@ -1,0 +1,139 @@
+"""The disk tier: checkpoints beyond the ceiling live in files, output stays the same.
+
+Two paths, two promises (kvchat/engine/streamed_attention.py):
+* one layer's K/V fits under the ceiling: cold K/V are rebuilt whole from disk-backed
+  checkpoints and handed to the model's own attention -> logits ``torch.equal``;
+* it does not (2 MB for 8K SmolLM2 tokens): attention is streamed over chunks -> the same
+  greedy tokens, logits within ~1e-5.
+Resident state is measured by the engine's own accounting at every forward call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvchat.engine.arch import ArchAdapter
+from kvchat.engine.cache import KVDirectCache
+from kvchat.engine.session import ChatSession
+from kvchat.engine.settings import CacheSettings, SamplingSettings
+from kvchat.lab.tiny_models import FAMILIES, tiny_model
+from tests.engine.test_cache_exact import run_conversation
+
+GREEDY = SamplingSettings(max_new_tokens=12)
+
+
+def disk_cache(model, tmp_path, stream_chunk):
+    adapter = ArchAdapter(model)
+    cache = KVDirectCache(adapter, ["residual"] * adapter.num_layers, hot_window=4)
+    cache.spill_root = tmp_path
+    cache.checkpoint_budget = 0  # every checkpoint goes to disk as soon as it is made
+    cache.attach()
+    cache.enable_streaming(stream_chunk)
+    return cache
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoints_on_disk_give_bit_identical_logits(family, tmp_path):
+    model = tiny_model(family)
+    ref_tokens, ref_logits = run_conversation(model, DynamicCache(config=model.config))
+    cache = disk_cache(model, tmp_path, stream_chunk=None)
+    tokens, logits = run_conversation(model, cache)
+    assert cache.checkpoint_bytes() == 0 and cache.stats.spilled_bytes > 0
+    assert cache.stats.disk_read_bytes > 0 and cache.disk_bytes() > 0
+    cache.close()
+    assert tokens == ref_tokens
+    assert all(torch.equal(a, b) for a, b in zip(ref_logits, logits))
+    assert not list((tmp_path / "spill").iterdir())  # spill files go with the session
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_attention_gives_the_same_greedy_tokens(family, tmp_path):
+    model = tiny_model(family)
+    ref_tokens, ref_logits = run_conversation(model, DynamicCache(config=model.config))
+    cache = disk_cache(model, tmp_path, stream_chunk=8)
+    tokens, logits = run_conversation(model, cache)
+    cache.close()
+    assert tokens == ref_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(ref_logits, logits))
+    assert worst < 1e-4
+    assert model.config._attn_implementation == "sdpa"  # restored on close
+
+
+def watch_resident(session: ChatSession) -> list[int]:
+    """Resident state (hot K/V + resident checkpoints + token ids + the step's scratch) at
+    the end of every forward call, from the engine's own accounting."""
+    seen: list[int] = []
+    cache = session.cache
+    original = session._before_forward
+
+    def measured(n_new: int) -> None:
+        seen.append(
+            cache.hot_bytes()
+            + cache.checkpoint_bytes()
+            + 8 * len(session.token_ids)
+            + cache.stats.step_scratch_bytes
+        )
+        original(n_new)
+        seen.append(cache.hot_bytes() + cache.checkpoint_bytes() + 8 * len(session.token_ids))
+
+    session._before_forward = measured
+    return seen
+
+
+def long_text(n_sentences: int) -> str:
+    colours = ["red", "green", "blue", "amber", "violet", "grey", "white"]
+    things = ["lantern", "kettle", "harbour", "orchard", "ledger", "violin", "bridge"]
+    return " ".join(
+        f"Note {i}: the {colours[i % 7]} {things[(i * 3) % 7]} was moved to shelf {i % 13}."
+        for i in range(n_sentences)
+    )
+
+
+def test_smollm2_grows_past_a_2mb_ceiling_with_the_same_replies(smollm2_loaded, tmp_path):
+    ceiling = 2_000_000
+    prompts = [long_text(40) + " Which shelf holds note 7?", "And note 12?"]
+    standard = ChatSession(smollm2_loaded, cache=CacheSettings(kind="standard"))
+    ref = [standard.send(p, GREEDY).tokens for p in prompts]
+    settings = CacheSettings(max_mem=ceiling)
+    session = ChatSession(smollm2_loaded, cache=settings, spill_root=tmp_path)
+    seen = watch_resident(session)
+    got = [session.send(p, GREEDY) for p in prompts]
+    tokens = session.cache.get_seq_length()
+    assert [r.tokens for r in got] == ref
+    assert session.plan.disk_tier and session.plan.stream_chunk is not None
+    assert max(seen) <= ceiling, f"resident state reached {max(seen)} bytes"
+    mem = got[-1].memory
+    assert mem["state_bytes"] <= ceiling < mem["standard_equivalent_bytes"]
+    assert mem["disk_bytes"] > 30_000 * tokens  # ~69 KB of residuals per token, mostly on disk
+    session.close()
+
+
+def test_8k_token_conversation_resumed_under_2mb_continues_identically(smollm2_loaded, tmp_path):
+    """8K tokens saved with a roomy ceiling, resumed under 2 MB (100x below the standard
+    cache's 188 MB); the continuation matches a standard cache that saw the same text."""
+    from kvchat.engine.conversation import open_session
+
+    text = long_text(590) + " Which shelf holds note 7?"
+    question = "And note 12?"
+    roomy = CacheSettings(max_mem=4 * 10**9)
+    first = open_session(smollm2_loaded, data_dir=tmp_path, cache=roomy)
+    first.send(text, SamplingSettings(max_new_tokens=4))
+    conv_id, n_tokens = first.conversation.id, first.cache.get_seq_length()
+    first.close()
+    assert 7800 <= n_tokens <= 8600
+
+    tight = CacheSettings(max_mem=2_000_000)
+    resumed = open_session(smollm2_loaded, data_dir=tmp_path, cache=tight, conversation_id=conv_id)
+    assert resumed.cache.checkpoint_bytes() < 2_000_000  # nothing loaded whole
+    seen = watch_resident(resumed)
+    reply = resumed.send(question, SamplingSettings(max_new_tokens=6))
+    resumed.close()
+    assert max(seen) <= 2_000_000, f"resident state reached {max(seen)} bytes"
+    assert reply.memory["standard_equivalent_bytes"] > 90 * 2_000_000
+
+    standard = ChatSession(smollm2_loaded, cache=CacheSettings(kind="standard"))
+    standard.send(text, SamplingSettings(max_new_tokens=4))
+    ref = standard.send(question, SamplingSettings(max_new_tokens=6))
+    assert reply.tokens == ref.tokens
