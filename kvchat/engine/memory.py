@@ -46,6 +46,7 @@ def snapshot(session: ChatSession) -> dict[str, Any]:
     n_tokens = cache.get_seq_length()
     settings = session.cache_settings
     token_bytes = len(session.token_ids) * TOKEN_ID_BYTES
+    plan = getattr(session, "plan", None)
     if settings.kind == "kvdirect":
         hot = cache.hot_bytes()
         ckpt = cache.checkpoint_bytes()
@@ -76,6 +77,8 @@ def snapshot(session: ChatSession) -> dict[str, Any]:
         "standard_equivalent_bytes": session.loaded.footprint.standard_cache_bytes(n_tokens),
         "ceiling_bytes": settings.max_mem,
         "disk_bytes": session.disk_bytes(),
+        "disk_tier": bool(plan is not None and plan.disk_tier),
+        "streamed_attention": bool(plan is not None and plan.stream_chunk is not None),
         "weights_bytes": session.loaded.weights_bytes,
         "rss_bytes": process_rss(),
         "recompute_seconds": round(recompute, 4),
@@ -97,6 +100,15 @@ def format_memory_line(mem: dict[str, Any]) -> str:
     return (
         f"[mem] state {state} vs standard cache {human_bytes(standard)}{ratio} | "
         f"{mem['tokens']} tokens: {mem['hot_tokens']} hot, {mem['checkpointed_tokens']} "
-        f"checkpointed | recompute {100 * mem['recompute_share']:.0f}% of time | "
+        f"checkpointed{_disk_note(mem)} | recompute {100 * mem['recompute_share']:.0f}% of time | "
         f"weights {human_bytes(mem['weights_bytes'])}, RSS {human_bytes(mem['rss_bytes'])}"
     )
+
+
+def _disk_note(mem: dict[str, Any]) -> str:
+    if not mem.get("disk_bytes"):
+        return ""
+    from kvchat.engine.planner import human_bytes
+
+    where = "disk tier, " if mem.get("disk_tier") else ""
+    return f" | on disk: {where}{human_bytes(mem['disk_bytes'])}"

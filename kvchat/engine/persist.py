@@ -153,7 +153,9 @@ def restore(session: ChatSession, conversation: Any, n_cached: int) -> None:
     cache = session.cache
     device = session.loaded.device
     kv_parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-    for turn in conversation.manifest.turns:
+    turns = conversation.manifest.turns
+    rebased = [t.index for t in turns if t.extra.get("rebase")]
+    for turn in turns[rebased[-1] - 1 :] if rebased else turns:
         layout = conversation.tensor_layout(turn.index)
         path = conversation.segment_path(turn.index)
         small = _small_tensors(conversation, turn.index, layout)

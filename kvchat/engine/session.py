@@ -102,6 +102,7 @@ class ChatSession:
         self._saved_upto = 0  # cache positions already in the conversation's files
         self._unsaved_messages: list[dict[str, str]] = []
         self._unsaved_ids: list[int] = []
+        self._rebase = False  # the state was rebuilt from text: save it whole, from 0
         self.spill_root: Path | None = spill_root  # where the disk tier spills (data dir)
         self.plan: Any = None  # the planner's last Plan (kvdirect under a ceiling)
         self._build_cache()
@@ -252,6 +253,7 @@ class ChatSession:
                 self._detach_cache()
                 self._build_cache()
                 self.token_ids = []
+                self._rebase = True  # the next save replaces the saved state (see save)
             new_ids = self._tokenize(full)
         to_feed = (self.token_ids + new_ids)[self.cache.get_seq_length() :]
         try:
@@ -352,23 +354,31 @@ class ChatSession:
             if self.conversation is None:
                 self.conversation = self._create_conversation()
                 self._create_conversation = None
+            # A rebase turn (the template rewrote history, so the state was rebuilt from
+            # text) carries the whole state and all token ids; resume starts from it.
+            since = 0 if self._rebase else self._saved_upto
+            ids_from = self.conversation.manifest.engine_state.get("ids_from", 0)
+            if self._rebase:
+                ids_from = len(self.conversation.manifest.token_ids)
             self.conversation.append_turn(
                 messages=self._unsaved_messages,
-                token_ids=self._unsaved_ids,
-                tensors=turn_tensors(self.cache, self._saved_upto),
-                extra={"n_cached": n_cached, "memory": self.memory()},
+                token_ids=list(self.token_ids) if self._rebase else self._unsaved_ids,
+                tensors=turn_tensors(self.cache, since),
+                extra={"n_cached": n_cached, "memory": self.memory(), "rebase": self._rebase},
                 engine_state={
                     "rendered": self._rendered,
                     "system": self.system,
                     "forms": self.forms,
                     "cache": self.cache_settings.as_dict(),
                     "n_cached": n_cached,
+                    "ids_from": ids_from,
                 },
             )
         except StorageError as exc:
             return str(exc)
-        note_saved(self, len(self.conversation.manifest.turns), self._saved_upto)
+        note_saved(self, len(self.conversation.manifest.turns), since)
         self._saved_upto = n_cached
+        self._rebase = False
         self._unsaved_messages, self._unsaved_ids = [], []
         return None
 
@@ -401,7 +411,7 @@ class ChatSession:
             session.cache.apply_plan(session.plan)
         restore(session, conversation, n_cached)
         session.messages = [dict(m) for m in manifest.messages]
-        session.token_ids = list(manifest.token_ids)
+        session.token_ids = list(manifest.token_ids[int(state.get("ids_from", 0)) :])
         session._rendered = state.get("rendered", "")
         session._saved_upto = n_cached
         session.conversation = conversation

@@ -25,6 +25,8 @@ CACHES = {
     "residual-B5": CacheSettings(hot_window=5, prefill_chunk=16),
     "no-ceiling": CacheSettings(),
     "standard": CacheSettings(kind="standard"),
+    # a ceiling far below the checkpoints: saved turns are read back from their segments
+    "disk-tier-600KB": CacheSettings(max_mem=600_000, prefill_chunk=16),
 }
 
 
@@ -52,6 +54,34 @@ def test_resume_continues_exactly_like_a_process_that_never_stopped(smollm2_load
         assert torch.equal(k, rk) and torch.equal(v, rv)  # bit-identical state
     assert resumed.memory()["disk_bytes"] > 0
     resumed.close()
+
+
+def test_a_rebuilt_history_is_saved_as_a_rebase_turn_and_resumes_exactly(
+    smollm2_loaded, tmp_path
+):
+    """When the chat template rewrites earlier turns, the session rebuilds its state from
+    the text; the next save must carry that whole state, and resume must start from it."""
+    cache = CacheSettings(hot_window=5, prefill_chunk=16)
+
+    def two_turns(session: ChatSession) -> None:
+        session.send(PROMPTS[0], GREEDY)
+        session._rendered = "<a template that rendered history differently>"
+        assert session.send(PROMPTS[1], GREEDY).fell_back_to_full_prefill
+
+    reference = ChatSession(smollm2_loaded, cache=cache)
+    two_turns(reference)
+    expected = reference.send(PROMPTS[2], GREEDY).tokens
+
+    first = open_session(smollm2_loaded, data_dir=tmp_path, cache=cache)
+    two_turns(first)
+    conv_id = first.conversation.id
+    assert [t.extra.get("rebase") for t in first.conversation.manifest.turns] == [False, True]
+    first.close()
+    again = open_session(smollm2_loaded, data_dir=tmp_path, cache=cache, conversation_id=conv_id)
+    assert again.token_ids == reference.token_ids[: len(again.token_ids)]
+    assert again.send(PROMPTS[2], GREEDY).tokens == expected
+    assert again.token_ids == reference.token_ids
+    again.close()
 
 
 def test_every_turn_is_saved_with_what_resume_needs(smollm2_loaded, tmp_path):
