@@ -7,10 +7,33 @@ mutate a model (quantization) must load their own copy instead of using ``smollm
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="Device for the exactness and memory tests (cpu, cuda, mps): same code path.",
+    )
+
+
+def pytest_configure(config):
+    # Read at call time by the model fixtures below and by test_cache_exact.tiny_model.
+    os.environ["KVCHAT_TEST_DEVICE"] = config.getoption("--device")
+
+
+def _device() -> str:
+    return os.environ.get("KVCHAT_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return _device()
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +56,7 @@ def smollm2(smollm2_dir: Path) -> tuple[Any, Any]:
     from kvchat.engine.models import ResolvedModel, load_model
 
     resolved = ResolvedModel(smollm2_dir, "smollm2-135m", "pypi", chat_template=True)
-    return load_model(resolved, device="cpu", dtype="float32")
+    return load_model(resolved, device=_device(), dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -41,14 +64,14 @@ def smollm2_loaded(smollm2_dir: Path):
     """SmolLM2 as the engine holds it (``LoadedModel``), fp32 on CPU. Do not mutate."""
     from kvchat.engine.loader import load
 
-    return load(str(smollm2_dir), device="cpu", dtype="float32")
+    return load(str(smollm2_dir), device=_device(), dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def smollm2_loaded_bf16(smollm2_dir: Path):
     from kvchat.engine.loader import load
 
-    return load(str(smollm2_dir), device="cpu", dtype="bfloat16")
+    return load(str(smollm2_dir), device=_device(), dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")
@@ -56,4 +79,4 @@ def gemma270m_loaded():
     """Gemma 3 270M (base model, no chat template) from the PyPI chunk wheels, fp32."""
     from kvchat.engine.loader import load
 
-    return load("gemma-3-270m", device="cpu", dtype="float32")
+    return load("gemma-3-270m", device=_device(), dtype="float32")

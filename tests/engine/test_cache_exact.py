@@ -6,6 +6,8 @@ straddle B and the sliding window, prefilled in chunks, 64+ new tokens in all.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -13,11 +15,17 @@ from transformers import DynamicCache
 from kvchat.engine.arch import ArchAdapter
 from kvchat.engine.cache import KVDirectCache
 from kvchat.engine.generate import forward, prefill
-from kvchat.lab.tiny_models import FAMILIES, tiny_model
+from kvchat.lab.tiny_models import FAMILIES
+from kvchat.lab.tiny_models import tiny_model as _tiny_model
 
 TURN_LENGTHS = (40, 23, 9)  # user turns, in tokens
 NEW_PER_TURN = 22  # 66 generated in all
 CHUNK = 16
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A tiny model on the device the run asked for (``pytest --device cuda``)."""
+    return _tiny_model(family, dtype, seed).to(os.environ.get("KVCHAT_TEST_DEVICE", "cpu"))
 
 
 def run_conversation(
@@ -32,12 +40,13 @@ def run_conversation(
     """Turns of random 'user' tokens, greedy replies; returns tokens and logits."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.get_text_config().vocab_size
+    device = next(model.parameters()).device
     tokens, logits_seen = [], []
     pending: list[int] = []
     with torch.inference_mode():
         for n_user in turn_lengths:
             user = torch.randint(0, vocab, (n_user,), generator=gen).tolist()
-            logits = prefill(model, cache, pending + user, torch.device("cpu"), chunk)
+            logits = prefill(model, cache, pending + user, device, chunk)
             logits_seen.append(logits.clone())
             for step in range(new_per_turn):
                 token = int(torch.argmax(logits))
@@ -45,7 +54,7 @@ def run_conversation(
                 if step == new_per_turn - 1:
                     pending = [token]  # fed first next turn, as the engine does
                     break
-                logits = forward(model, cache, [token], torch.device("cpu"))
+                logits = forward(model, cache, [token], device)
                 logits_seen.append(logits.clone())
     return tokens, logits_seen
 

@@ -54,6 +54,10 @@ def test_rss_growth_stays_within_the_ceiling_plus_allowance(smollm2_loaded):
     ceiling = 32 * 2**20
     session = ChatSession(smollm2_loaded, cache=CacheSettings(max_mem=ceiling))
     session.send("Hello!", SamplingSettings(max_new_tokens=8))  # warm up the allocator
+    on_cuda = session.loaded.device.type == "cuda"
+    if on_cuda:  # device memory is what the ceiling bounds there
+        torch.cuda.reset_peak_memory_stats()
+        cuda_baseline = torch.cuda.memory_allocated()
     baseline = process_rss()
     peak = baseline
     done = threading.Event()
@@ -73,7 +77,7 @@ def test_rss_growth_stays_within_the_ceiling_plus_allowance(smollm2_loaded):
             session.loaded.model,
             session.cache,
             prompt,
-            device=torch.device("cpu"),
+            device=session.loaded.device,
             settings=SamplingSettings(max_new_tokens=250),
             stop_ids=set(),
             before_forward=session._before_forward,
@@ -88,3 +92,6 @@ def test_rss_growth_stays_within_the_ceiling_plus_allowance(smollm2_loaded):
     assert peak - baseline <= ceiling + RSS_ALLOWANCE, (
         f"RSS grew {(peak - baseline) / 2**20:.1f} MiB"
     )
+    if on_cuda:
+        grew = torch.cuda.max_memory_allocated() - cuda_baseline
+        assert grew <= ceiling + RSS_ALLOWANCE, f"device memory grew {grew / 2**20:.1f} MiB"

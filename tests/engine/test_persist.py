@@ -56,9 +56,7 @@ def test_resume_continues_exactly_like_a_process_that_never_stopped(smollm2_load
     resumed.close()
 
 
-def test_a_rebuilt_history_is_saved_as_a_rebase_turn_and_resumes_exactly(
-    smollm2_loaded, tmp_path
-):
+def test_a_rebuilt_history_is_saved_as_a_rebase_turn_and_resumes_exactly(smollm2_loaded, tmp_path):
     """When the chat template rewrites earlier turns, the session rebuilds its state from
     the text; the next save must carry that whole state, and resume must start from it."""
     cache = CacheSettings(hot_window=5, prefill_chunk=16)
