@@ -213,11 +213,10 @@ class Planner:
         return Plan(b, budget, stream_chunk, prefill_cap, estimate)
 
     def _stream_scratch(self, layer: LayerFootprint, rows: int) -> int:
-        """Peak bytes of one streamed chunk: residual rows read and normed, their K/V, K/V
-        widened to every query head, and the chunk's scores for a prefill of ``rows``."""
+        """Peak bytes of one streamed chunk: residual rows read and normed, their K/V, and
+        the chunk's scores and weights (fp32) for a prefill of ``rows`` queries."""
         heads = layer.hidden_size // layer.head_dim if layer.head_dim else layer.kv_heads
-        groups = max(1, heads // max(1, layer.kv_heads))
-        per_row = 2 * layer.residual_bytes + layer.kv_bytes * (1 + groups) + heads * rows * 8
+        per_row = 2 * layer.residual_bytes + layer.kv_bytes + heads * rows * 8
         return rows * per_row
 
 

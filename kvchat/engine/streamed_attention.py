@@ -58,10 +58,6 @@ def _online_update(
     state[:] = [new_max, running_sum * scale + block_sum, acc * scale + block_acc]
 
 
-def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
-
-
 def streamed_attention(
     layer: KVDirectLayer,
     module: Any,
@@ -71,13 +67,22 @@ def streamed_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None,
 ) -> torch.Tensor:
-    """Attention of ``query`` over [pending cold K/V, ``key``/``value``]; [b, q, H, d]."""
+    """Attention of ``query`` over [pending cold K/V, ``key``/``value``]; [b, q, H, d].
+
+    Grouped-query heads are folded into the query rows ([b, kv heads, groups * q, d]), so
+    K/V are never widened to every query head (``repeat_kv``'s head order: query head
+    ``h`` reads kv head ``h // groups``).
+    """
     begin, end = layer.pending_cold
     layer.pending_cold = None
+    batch, heads, q_len, dim = query.shape
     groups = getattr(module, "num_key_value_groups", 1)
-    scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    q_len = query.shape[-2]
-    qf = query.float()
+    scaling = scaling if scaling is not None else 1.0 / math.sqrt(dim)
+    folded = query.float().reshape(batch, heads // groups, groups * q_len, dim)
+
+    def rows_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+        return mask if mask is None or groups == 1 else mask.repeat(1, 1, groups, 1)
+
     state: list[torch.Tensor | None] = [None, None, None]
     column = 0
     stats = layer.owner.stats
@@ -86,13 +91,8 @@ def streamed_attention(
         if n == 0:
             continue
         mask = None if attention_mask is None else attention_mask[..., column : column + n]
-        k, v = _expand(cold_k, groups), _expand(cold_v, groups)
-        stats.note_scratch(
-            2 * cold_k.numel() * cold_k.element_size()
-            + 2 * k.numel() * k.element_size()
-            + qf.shape[1] * q_len * n * 8
-        )
-        _online_update(state, qf, k, v, mask, scaling)
+        stats.note_scratch(2 * cold_k.numel() * cold_k.element_size() + heads * q_len * n * 8)
+        _online_update(state, folded, cold_k, cold_v, rows_mask(mask), scaling)
         column += n
     if column != end - begin:
         raise RuntimeError(f"layer {layer.layer_idx}: streamed {column} of {end - begin} rows")
@@ -102,12 +102,12 @@ def streamed_attention(
     elif q_len > 1:
         # No mask means plain causal over what is handed here (the new rows come last).
         rows = torch.arange(q_len, device=query.device).unsqueeze(1) + (n_hot - q_len)
-        mask = torch.arange(n_hot, device=query.device).unsqueeze(0) <= rows
+        mask = (torch.arange(n_hot, device=query.device).unsqueeze(0) <= rows)[None, None]
     else:
         mask = None
-    _online_update(state, qf, _expand(key, groups), _expand(value, groups), mask, scaling)
+    _online_update(state, folded, key, value, rows_mask(mask), scaling)
     _, total, acc = state
-    out = (acc / total).to(query.dtype)
+    out = (acc / total).reshape(batch, heads, q_len, -1).to(query.dtype)
     return out.transpose(1, 2).contiguous()
 
 

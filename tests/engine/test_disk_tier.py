@@ -10,16 +10,22 @@ Resident state is measured by the engine's own accounting at every forward call.
 
 from __future__ import annotations
 
+import gc
+import threading
+
+import psutil
 import pytest
 import torch
 from transformers import DynamicCache
 
 from kvchat.engine.arch import ArchAdapter
 from kvchat.engine.cache import KVDirectCache
+from kvchat.engine.memory import process_rss
 from kvchat.engine.session import ChatSession
 from kvchat.engine.settings import CacheSettings, SamplingSettings
 from kvchat.lab.tiny_models import FAMILIES
 from tests.engine.test_cache_exact import run_conversation, tiny_model
+from tests.engine.test_memory import RSS_ALLOWANCE
 
 GREEDY = SamplingSettings(max_new_tokens=12)
 
@@ -82,6 +88,31 @@ def watch_resident(session: ChatSession) -> list[int]:
     return seen
 
 
+class RssPeak:
+    """Peak process RSS over a block, sampled every 5 ms, as growth over its start."""
+
+    def __enter__(self) -> RssPeak:
+        self.baseline = self.peak = process_rss()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        proc = psutil.Process()
+        while not self._done.is_set():
+            self.peak = max(self.peak, proc.memory_info().rss)
+            self._done.wait(0.005)
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.baseline
+
+
 def long_text(n_sentences: int) -> str:
     colours = ["red", "green", "blue", "amber", "violet", "grey", "white"]
     things = ["lantern", "kettle", "harbour", "orchard", "ledger", "violin", "bridge"]
@@ -125,13 +156,20 @@ def test_8k_token_conversation_resumed_under_2mb_continues_identically(smollm2_l
     assert 8000 <= n_tokens <= 8400
 
     tight = CacheSettings(max_mem=2_000_000)
-    resumed = open_session(smollm2_loaded, data_dir=tmp_path, cache=tight, conversation_id=conv_id)
-    assert resumed.cache.checkpoint_bytes() < 2_000_000  # nothing loaded whole
-    seen = watch_resident(resumed)
-    reply = resumed.send(question, SamplingSettings(max_new_tokens=6))
+    gc.collect()
+    with RssPeak() as rss:
+        resumed = open_session(
+            smollm2_loaded, data_dir=tmp_path, cache=tight, conversation_id=conv_id
+        )
+        assert resumed.cache.checkpoint_bytes() < 2_000_000  # nothing loaded whole
+        seen = watch_resident(resumed)
+        reply = resumed.send(question, SamplingSettings(max_new_tokens=6))
     resumed.close()
     assert max(seen) <= 2_000_000, f"resident state reached {max(seen)} bytes"
     assert reply.memory["standard_equivalent_bytes"] > 90 * 2_000_000
+    assert reply.memory["disk_bytes"] > 500 * 2**20  # the 8K tokens' checkpoints, on disk
+    # Loading the checkpoints would take 560 MB; RSS stays within ceiling + allowance.
+    assert rss.growth <= 2_000_000 + RSS_ALLOWANCE, f"RSS grew {rss.growth / 2**20:.0f} MiB"
 
     standard = ChatSession(smollm2_loaded, cache=CacheSettings(kind="standard"))
     standard.send(text, SamplingSettings(max_new_tokens=4))
