@@ -181,7 +181,7 @@ def run(**opts: Any) -> None:
     )
     try:
         if opts["conversation_id"]:  # fail fast, before loading any weights
-            opts["conversation_id"] = _store(opts).resolve(opts["conversation_id"])
+            opts["conversation_id"] = _store(opts).check_not_open(opts["conversation_id"])
         loaded = _load(opts, quiet=as_json)
         from kvchat.engine.memory import format_memory_line
 
@@ -197,28 +197,45 @@ def run(**opts: Any) -> None:
             save=not opts["no_save"],
             say=say,
         )
-        for turn, prompt in enumerate(prompts, start=1):
-            with _CancelOnSigint() as sigint:
-                on_text = None if as_json else _stream_to_stdout
-                result = session.send(
-                    prompt, sampling, on_text=on_text, should_stop=lambda: sigint.cancelled
-                )
-            if as_json:
-                conversation_id = session.conversation.id if session.conversation else None
-                click.echo(json.dumps(_turn_json(turn, prompt, result, conversation_id)))
-            else:
-                if result.cancelled:
-                    click.echo(" [stopped]", nl=False)
-                click.echo()
-                click.echo(format_memory_line(result.memory), err=True)
-            if result.error:
-                click.echo(f"kvchat: reply ended early: {result.error}", err=True)
-            if result.cancelled:
-                session.close()
-                sys.exit(130)
+        try:
+            for turn, prompt in enumerate(prompts, start=1):
+                with _CancelOnSigint() as sigint:
+                    on_text = None if as_json else _stream_to_stdout
+                    result = session.send(
+                        prompt, sampling, on_text=on_text, should_stop=lambda: sigint.cancelled
+                    )
+                if as_json:
+                    conversation_id = session.conversation.id if session.conversation else None
+                    click.echo(json.dumps(_turn_json(turn, prompt, result, conversation_id)))
+                else:
+                    if result.cancelled:
+                        click.echo(" [stopped]", nl=False)
+                    click.echo()
+                    click.echo(format_memory_line(result.memory), err=True)
+                if result.error:
+                    click.echo(f"kvchat: reply ended early: {result.error}", err=True)
+                # A Ctrl-C that landed after the reply (while saving) still means stop.
+                if result.cancelled or sigint.cancelled:
+                    session.close()
+                    sys.exit(130)
+        except KeyboardInterrupt:
+            click.echo(f"\nkvchat: interrupted; {_saved_note(session)}", err=True)
+            session.close()
+            sys.exit(130)
         session.close()
     except KvchatError as exc:
         _fail(exc)
+
+
+def _saved_note(session: Any) -> str:
+    conversation = session.conversation
+    if conversation is None:
+        return "nothing was saved"
+    turns = len(conversation.manifest.turns)
+    return (
+        f"conversation {conversation.id} keeps its {turns} saved turn(s); the turn in progress "
+        f"was not saved (resume with `kvchat resume {conversation.id}`)"
+    )
 
 
 def _stream_to_stdout(text: str) -> None:

@@ -155,11 +155,14 @@ def restore(session: ChatSession, conversation: Any, n_cached: int) -> None:
     kv_parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     turns = conversation.manifest.turns
     rebased = [t.index for t in turns if t.extra.get("rebase")]
+    kvdirect = isinstance(cache, KVDirectCache)
+    has_kv = any(not (kvdirect and layer.form == "residual") for layer in cache.layers)
     for turn in turns[rebased[-1] - 1 :] if rebased else turns:
+        # Read (and so verify) a turn holding K/V first: its layout check then hits the memo.
+        tensors = conversation.read_turn_tensors(turn.index) if has_kv else None
         layout = conversation.tensor_layout(turn.index)
         path = conversation.segment_path(turn.index)
         small = _small_tensors(conversation, turn.index, layout)
-        tensors = None  # K/V tensors of this turn, read once if any layer needs them
         for i, layer in enumerate(cache.layers):
             if f"L{i}.first" not in layout:
                 continue

@@ -492,6 +492,16 @@ class ConversationStore:
             f"cannot find a free conversation id in {self.conversations_dir}; try again"
         )
 
+    def check_not_open(self, conv_id: str) -> str:
+        """Resolve ``conv_id`` and fail now (ConversationLockedError) if another process has
+        it open, so a caller can refuse before spending seconds loading a model. ``open``
+        still takes the lock for real; this check only answers early."""
+        cid = self.resolve(conv_id)
+        lock = ConversationLock(self.conversations_dir / cid / LOCK_NAME, cid)
+        lock.acquire()
+        lock.release()
+        return cid
+
     def open(
         self, conv_id: str, *, fingerprint: str | None = None, dtype: str | None = None
     ) -> Conversation:
