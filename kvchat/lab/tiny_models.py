@@ -79,10 +79,20 @@ def _config(family: str):
             num_attention_heads=4,
             num_key_value_heads=4,
             pad_token_id=0,
+            bos_token_id=1,  # the defaults (1, 32000) point outside this tiny vocabulary
+            eos_token_id=2,
             **COMMON,
         )
     if family == "gpt2":
-        return tf.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=1024, vocab_size=256)
+        return tf.GPT2Config(
+            n_embd=64,
+            n_layer=3,
+            n_head=4,
+            n_positions=1024,
+            vocab_size=256,
+            bos_token_id=1,  # the default 50256 points outside this tiny vocabulary
+            eos_token_id=2,
+        )
     raise ValueError(family)
 
 
