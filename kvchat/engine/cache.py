@@ -41,6 +41,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvchat.engine.disk_tier import DiskRows, RowFile, SpillArea, read_rows
 from kvchat.engine.planner import READ_CHUNK_ROWS
+from kvchat.errors import NeedsDiskTierError, StorageError
 
 if TYPE_CHECKING:
     from kvchat.engine.arch import ArchAdapter
@@ -386,7 +387,13 @@ class KVDirectLayer(CacheLayerMixin):
         unsaved = [c for c in moving if c.saved is None]
         if unsaved:
             rows = torch.cat([c.residual for c in unsaved], dim=1)
-            where = self.owner.spill_area().write(self.layer_idx, rows)
+            try:
+                where = self.owner.spill_area().write(self.layer_idx, rows)
+            except StorageError as exc:
+                # Never fail inside a forward call (the layers would disagree on what they
+                # hold): stay over budget for this call, and refuse the next one cleanly.
+                self.owner.spill_error = exc
+                return
             offset = where.offset
             for call in unsaved:
                 shape = tuple(call.residual.shape)
@@ -440,6 +447,7 @@ class KVDirectCache(Cache):
         self._spill: SpillArea | None = None
         self._row_files: dict[str, RowFile] = {}
         self._attention_patch: Any = None
+        self.spill_error: StorageError | None = None  # a failed move to disk, reported next call
         layers = [
             KVDirectLayer(self, spec.index, form, spec.sliding_window)
             for spec, form in zip(adapter.layers, forms)
@@ -502,6 +510,9 @@ class KVDirectCache(Cache):
     def apply_plan(self, plan: Any) -> None:
         """Take the planner's hot window and disk tier, and meet them before the next call."""
         self.hot_window = plan.hot_window
+        if self.spill_error is not None:
+            error, self.spill_error = self.spill_error, None
+            raise NeedsDiskTierError(f"{error}; the conversation so far is kept") from error
         self.checkpoint_budget = plan.checkpoint_budget
         self.enable_streaming(plan.stream_chunk)
         for layer in self.layers:

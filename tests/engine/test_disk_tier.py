@@ -175,3 +175,28 @@ def test_8k_token_conversation_resumed_under_2mb_continues_identically(smollm2_l
     standard.send(text, SamplingSettings(max_new_tokens=4))
     ref = standard.send(question, SamplingSettings(max_new_tokens=6))
     assert reply.tokens == ref.tokens
+
+
+def test_a_full_disk_while_spilling_ends_the_reply_cleanly_and_keeps_the_state(
+    smollm2_loaded, tmp_path, monkeypatch
+):
+    from kvchat.engine.disk_tier import SpillArea
+    from kvchat.errors import StorageError
+
+    def full(self, layer, rows):
+        raise StorageError("moving checkpoints to disk failed (No space left on device)")
+
+    session = ChatSession(
+        smollm2_loaded, cache=CacheSettings(max_mem=2_000_000), spill_root=tmp_path
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(SpillArea, "write", full)
+        result = session.send("Name three colours.", GREEDY)
+    assert result.finish_reason == "ceiling" and "No space left" in result.error
+    assert result.reply and session.messages[-1]["content"] == result.reply
+    assert session.cache.get_seq_length() == len(session.token_ids) - 1  # consistent
+    # disk space is back: the conversation goes on, and the state meets the ceiling again
+    again = session.send("And three animals?", GREEDY)
+    assert again.error is None and again.reply
+    assert again.memory["state_bytes"] <= 2_000_000
+    session.close()
