@@ -187,7 +187,6 @@ class KVDirectLayer(CacheLayerMixin):
                 )
             self.calls.append(_Call(start, _compact(residual)))
             self.pending_residual = None
-            self._keep_under_budget()
 
         # Positions attention needs now: everything (full layer) or the last window - 1
         # past tokens (sliding layer), exactly as the standard cache returns them.
@@ -200,6 +199,7 @@ class KVDirectLayer(CacheLayerMixin):
                 # Too big to hold at once: attention fetches it chunk by chunk (see
                 # streamed_attention.py); we hand over only what is hot.
                 self.pending_cold = (visible_from, hot_from)
+                self.owner.adapter._attention(self.layer_idx)._kvdirect_layer = self
             else:
                 cold_k, cold_v = self._recompute(visible_from, hot_from)
                 parts_k.append(cold_k)
@@ -219,6 +219,9 @@ class KVDirectLayer(CacheLayerMixin):
             self.keys, self.values = full_k, full_v
         else:
             self._retain(hot_k, hot_v, key_states, value_states)
+        if self.form == "residual":
+            # After _retain, so a sliding layer never writes out rows it is about to drop.
+            self._keep_under_budget()
         return full_k, full_v
 
     # -- internals -----------------------------------------------------------------------
@@ -466,6 +469,7 @@ class KVDirectCache(Cache):
             self._hooks.append(
                 module.register_forward_pre_hook(_capture_into(layer), with_kwargs=True)
             )
+        self.enable_streaming(self.stream_chunk)  # re-attached: streaming needs its patch
         return self
 
     def detach(self) -> None:

@@ -4,13 +4,15 @@ When resident conversation state would pass ``--max-mem``, a layer's oldest chec
 move out of memory. Until the turn is saved they go to the session's spill files (one
 append-only raw file per layer, under the data dir, deleted when the session closes); once a
 turn is saved they are re-pointed at the conversation's own segment files (safetensors,
-checksummed), and the spill files are emptied. Either way a checkpoint on disk is a
-``DiskRows``: a file, a byte offset, a shape and a dtype, read with one ``preadv`` into a
-fresh buffer, never memory-mapped, so what is read counts as scratch until it is dropped.
+checksummed when the conversation is opened), and the spill files are emptied. Either way a
+checkpoint on disk is a ``DiskRows``: a file, a byte offset, a shape and a dtype, read with
+one ``preadv`` into a fresh buffer, never memory-mapped, so what is read counts as scratch
+until it is dropped.
 """
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import secrets
@@ -26,24 +28,47 @@ SPILL_DIR_NAME = "spill"
 
 
 class RowFile:
-    """An open file that checkpoint rows are read from (a spill file or a saved segment)."""
+    """A file checkpoint rows are read from: a spill file (kept open, appended to) or a
+    saved segment (opened for each read, so a long conversation holds no descriptor per
+    turn)."""
 
     def __init__(self, path: Path, writable: bool = False) -> None:
         self.path = Path(path)
-        flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
-        self.fd = os.open(self.path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
-        self.size = os.fstat(self.fd).st_size
+        self.writable = writable
+        self.fd = -1
+        if writable:
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+            self.fd = os.open(self.path, flags, 0o600)
+            self.size = os.fstat(self.fd).st_size
+        else:
+            self.size = os.stat(self.path).st_size
 
     def read_into(self, buffer: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(buffer):
-            n = os.preadv(self.fd, [buffer[done:]], offset + done)
-            if n <= 0:
-                raise StorageError(
-                    f"residual file {self.path} ended early (wanted {len(buffer)} bytes at "
-                    f"{offset}); the conversation's files are damaged — export or delete it"
-                )
-            done += n
+        try:
+            fd = self.fd if self.writable else os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise StorageError(f"cannot read {self.path} ({e.strerror}); {self._fix()}") from None
+        try:
+            done = 0
+            while done < len(buffer):
+                try:
+                    n = os.preadv(fd, [buffer[done:]], offset + done)
+                except OSError as e:
+                    raise StorageError(f"reading {self.path} failed ({e.strerror})") from None
+                if n <= 0:
+                    raise StorageError(
+                        f"{self.path} ended early (wanted {len(buffer)} bytes at {offset}); "
+                        f"{self._fix()}"
+                    )
+                done += n
+        finally:
+            if not self.writable:
+                os.close(fd)
+
+    def _fix(self) -> str:
+        if self.writable:
+            return "the session's spill file was changed under it; start the conversation again"
+        return "the conversation's files are damaged: export it, or delete it"
 
     def append(self, data: memoryview) -> int:
         """Write ``data`` at the end; returns its offset. OSError (disk full) propagates."""
@@ -128,6 +153,9 @@ class SpillArea:
             _sweep_stale(base)
             self.path = base / f"{os.getpid()}-{secrets.token_hex(4)}"
             self.path.mkdir()
+            # Closed sessions remove it; this covers an exit that skips the close (the UI
+            # quitting mid-reply). A crash leaves it for the next session's sweep.
+            atexit.register(self.close)
         return self.path
 
     def write(self, layer: int, rows: torch.Tensor) -> DiskRows:

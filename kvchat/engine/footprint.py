@@ -77,6 +77,7 @@ class LayerFootprint:
     hidden_size: int
     kv_bytes: int  # K+V per token: 2 * kv_heads * head_dim * itemsize
     residual_bytes: int  # one residual checkpoint per token: hidden_size * itemsize
+    query_heads: int = 0  # attention heads (sizes the scores of streamed attention)
 
     @property
     def is_sliding(self) -> bool:
@@ -284,6 +285,7 @@ def footprint_from_config(config: Any, dtype: Any = "bfloat16") -> ModelFootprin
                 hidden_size=hidden,
                 kv_bytes=2 * kv_heads * head_dim * itemsize,
                 residual_bytes=hidden * itemsize,
+                query_heads=heads,
             )
         )
     if not layers:

@@ -88,7 +88,15 @@ def generate(
     generator = make_generator(settings, device)
     with inference_context(model):
         t0 = time.perf_counter()
-        logits = prefill(model, cache, prompt_ids, device, prefill_chunk, before_forward)
+        try:
+            logits = prefill(model, cache, prompt_ids, device, prefill_chunk, before_forward)
+        except NeedsDiskTierError as exc:
+            # Raised before a chunk is fed (never inside a forward call): what was fed stays
+            # consistent, and the next turn feeds the rest from the token ids.
+            outcome.finish_reason = "ceiling"
+            outcome.error = str(exc)
+            outcome.prefill_seconds = time.perf_counter() - t0
+            return outcome
         outcome.prefill_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         while True:

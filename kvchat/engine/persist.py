@@ -84,8 +84,10 @@ def _residual_rows(layer: Any, calls: list) -> Any:
     from kvchat.engine.disk_tier import tensor_view
     from kvchat.storage.segments import StreamedTensor
 
-    if all(c.residual is not None for c in calls):
+    if all(c.residual is not None for c in calls) and layer.owner.checkpoint_budget is None:
         return torch.cat([c.residual for c in calls], dim=1).cpu()
+    # Under a disk-tier ceiling even resident rows are streamed: a copy of the turn's rows
+    # would double them in memory while the segment is written.
     first = calls[0].residual if calls[0].residual is not None else calls[0].disk
     shape = (1, sum(c.rows for c in calls), first.shape[-1])
 

@@ -18,7 +18,7 @@ budget live in files and are read back in bounded chunks. If one layer's whole K
 context (the scratch handed to attention) does not fit either, attention is streamed over
 chunks of recomputed K/V (``Plan.stream_chunk``, see streamed_attention.py), which keeps the
 greedy tokens but not bit-identical logits. Only when token ids, K/V-form layers and the
-smallest chunk's scratch alone pass the ceiling does the engine raise
+smallest chunk's scratch alone pass half the ceiling does the engine raise
 ``NeedsDiskTierError`` (the name predates the disk tier: "even the disk tier cannot help").
 """
 
@@ -213,11 +213,14 @@ class Planner:
         return Plan(b, budget, stream_chunk, prefill_cap, estimate)
 
     def _stream_scratch(self, layer: LayerFootprint, rows: int) -> int:
-        """Peak bytes of one streamed chunk: residual rows read and normed, their K/V, and
-        the chunk's scores and weights (fp32) for a prefill of ``rows`` queries."""
-        heads = layer.hidden_size // layer.head_dim if layer.head_dim else layer.kv_heads
-        per_row = 2 * layer.residual_bytes + layer.kv_bytes + heads * rows * 8
-        return rows * per_row
+        """Peak bytes of one streamed chunk of ``rows`` cold tokens for a prefill of ``rows``
+        queries: residual rows read and normed, their K/V (and fp32 copies), the scores,
+        weights and their difference from the running max (fp32, 4 bytes each, x3), plus
+        the same for the hot block (the window plus the new rows) handed over beside it."""
+        heads = layer.query_heads or max(1, layer.hidden_size // max(1, layer.head_dim))
+        kv_fp32 = layer.kv_bytes * 4 // max(1, self.fp.itemsize)
+        per_cold_row = 2 * layer.residual_bytes + layer.kv_bytes + kv_fp32 + heads * rows * 12
+        return rows * per_cold_row + 2 * rows * heads * rows * 12
 
 
 def _visible(layer: LayerFootprint, n_tokens: int) -> int:

@@ -103,6 +103,7 @@ class ChatSession:
         self._unsaved_messages: list[dict[str, str]] = []
         self._unsaved_ids: list[int] = []
         self._rebase = False  # the state was rebuilt from text: save it whole, from 0
+        self._cache_broken = False  # a forward call failed half way: rebuild before reuse
         self.spill_root: Path | None = spill_root  # where the disk tier spills (data dir)
         self.plan: Any = None  # the planner's last Plan (kvdirect under a ceiling)
         self._build_cache()
@@ -169,11 +170,13 @@ class ChatSession:
     def _prefill_chunk(self, n_new: int) -> int:
         """Rows per forward call: the user's chunk, smaller when attention is streamed."""
         chunk = self.cache_settings.prefill_chunk
-        if self.planner is not None:
+        if self.planner is None:
+            return chunk
+        try:
             cap = self._plan(self.cache.get_seq_length() + n_new).prefill_chunk
-            if cap is not None:
-                chunk = min(chunk, cap)
-        return chunk
+        except KvchatError:
+            return chunk  # the reply cannot reach n_new anyway; it ends at the ceiling
+        return chunk if cap is None else min(chunk, cap)
 
     def _check_standard_ceiling(self, n_new: int) -> None:
         from kvchat.engine.planner import human_bytes
@@ -244,20 +247,23 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         full = self._render(self._conversation())
         fell_back = False
-        if self._rendered and full.startswith(self._rendered):
+        if self._rendered and full.startswith(self._rendered) and not self._cache_broken:
             new_ids = self._tokenize(full[len(self._rendered) :])
         else:
             if self._rendered:
-                # The template rewrote earlier turns: start the state again from the text.
+                # The template rewrote earlier turns (or a forward call failed half way):
+                # start the state again from the text.
                 fell_back = True
                 self._detach_cache()
                 self._build_cache()
                 self.token_ids = []
                 self._rebase = True  # the next save replaces the saved state (see save)
+                self._cache_broken = False
             new_ids = self._tokenize(full)
         to_feed = (self.token_ids + new_ids)[self.cache.get_seq_length() :]
         try:
             self._before_forward(len(to_feed))  # refuse a prompt that cannot fit, feed nothing
+            prefill_chunk = self._prefill_chunk(len(to_feed) + sampling.max_new_tokens)
         except KvchatError:
             self.messages.pop()
             raise
@@ -291,18 +297,24 @@ class ChatSession:
             return plain and any(s in tok.decode(generated) for s in PLAIN_STOP_STRINGS)
 
         start = time.perf_counter()
-        outcome = generate(
-            self.loaded.model,
-            self.cache,
-            to_feed,
-            device=self.loaded.device,
-            settings=sampling,
-            stop_ids=self.stop_ids(),
-            prefill_chunk=self._prefill_chunk(len(to_feed) + sampling.max_new_tokens),
-            before_forward=self._before_forward,
-            on_token=on_token,
-            should_stop=should_stop,
-        )
+        try:
+            outcome = generate(
+                self.loaded.model,
+                self.cache,
+                to_feed,
+                device=self.loaded.device,
+                settings=sampling,
+                stop_ids=self.stop_ids(),
+                prefill_chunk=prefill_chunk,
+                before_forward=self._before_forward,
+                on_token=on_token,
+                should_stop=should_stop,
+            )
+        except BaseException:
+            # A forward call may have stopped half way (layers disagree on what they hold):
+            # the next turn rebuilds the state from the text instead of trusting it.
+            self._cache_broken = True
+            raise
         self._compute_seconds += time.perf_counter() - start
         reply_ids = outcome.tokens
         reply = tok.decode(reply_ids, skip_special_tokens=True)
@@ -376,9 +388,15 @@ class ChatSession:
             )
         except StorageError as exc:
             return str(exc)
-        note_saved(self, len(self.conversation.manifest.turns), since)
         self._saved_upto = n_cached
+        self._unsaved_messages, self._unsaved_ids = [], []
         self._rebase = False
+        try:
+            note_saved(self, len(self.conversation.manifest.turns), since)
+        except (KvchatError, OSError) as exc:
+            # The turn is saved; only re-pointing checkpoints at it failed, so they stay in
+            # the spill files, which are kept.
+            return f"turn saved, but its checkpoints stay in the spill files ({exc})"
         self._unsaved_messages, self._unsaved_ids = [], []
         return None
 
@@ -394,14 +412,24 @@ class ChatSession:
 
         ``cache`` may change the ceiling or hot window; the per-layer forms stay as saved.
         """
-        from kvchat.engine.persist import restore
-
         manifest = conversation.manifest
         state = manifest.engine_state
         saved = CacheSettings(**state.get("cache", {}))
         if cache is not None:
             saved.max_mem, saved.hot_window = cache.max_mem, cache.hot_window
         session = cls(loaded, system=state.get("system"), cache=saved, spill_root=spill_root)
+        try:
+            session._restore_from(conversation, state, saved)
+        except BaseException:
+            session._detach_cache()  # unhook from the model; the caller closes the conversation
+            raise
+        return session
+
+    def _restore_from(self, conversation: Any, state: dict, saved: CacheSettings) -> None:
+        from kvchat.engine.persist import restore
+
+        manifest = conversation.manifest
+        session = self
         if saved.kind == "kvdirect":
             session._detach_cache()
             session._build_cache(forms=state["forms"])
@@ -415,7 +443,6 @@ class ChatSession:
         session._rendered = state.get("rendered", "")
         session._saved_upto = n_cached
         session.conversation = conversation
-        return session
 
     def disk_bytes(self) -> int:
         """Saved segments plus checkpoints spilled since the last save."""

@@ -7,11 +7,12 @@ recomputes the cold K/V a bounded chunk at a time (reading checkpoints from disk
 and combines the chunks with the running-max softmax of FlashAttention (Dao et al. 2022,
 arXiv 2205.14135; Milakov & Gimelshein 2018, arXiv 1805.02867).
 
-The recomputed K/V are still bit-identical to the cached ones, but the attention sum is
-taken in another order than SDPA's kernel, so logits differ from the standard cache in the
-last bits (~1e-6 relative in fp32). The promise on this path is therefore the same greedy
-tokens, not ``torch.equal`` logits; tests measure both. Layers with nothing pending, and
-every layer when streaming is off, go through the model's own attention function unchanged.
+The attention sum is taken in another order than SDPA's kernel, and a forward call longer
+than the chunk (a prefill chunk saved under a roomier ceiling) is projected in pieces, so
+logits differ from the standard cache in the last bits (~2e-6 in fp32). The promise on this
+path is therefore the same greedy tokens, not ``torch.equal`` logits; tests measure both.
+Layers with nothing pending, and every layer when streaming is off, go through the model's
+own attention function unchanged.
 
 Hooked in through transformers' ``AttentionInterface``: the model's attention
 implementation is renamed ``kvdirect_<original>`` while the cache is attached, with the
@@ -111,32 +112,48 @@ def streamed_attention(
     return out.transpose(1, 2).contiguous()
 
 
+PREFIX = "kvdirect_"
+
+
 class StreamedAttention:
-    """Routes a model's attention through ``streamed_attention`` for the cache's layers."""
+    """Routes a model's attention through ``streamed_attention`` while a cache needs it.
+
+    Several sessions may share one model (tests, the app's resume): the patch is installed
+    once per model and counted; each layer binds itself to its attention module when it
+    leaves a cold range pending, so the cache running the current forward call is the one
+    read. The model's own attention implementation is restored when the last user goes.
+    """
 
     def __init__(self, cache: KVDirectCache) -> None:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
         adapter = cache.adapter
-        modules = [adapter._attention(i) for i in range(adapter.num_layers)]
+        self.modules = [adapter._attention(i) for i in range(adapter.num_layers)]
         self.configs = []
-        for module in modules:
+        for module in self.modules:
             if all(module.config is not c for c in self.configs):
                 self.configs.append(module.config)
+        first = self.modules[0]
+        users = getattr(first, "_kvdirect_users", 0)
+        first._kvdirect_users = users + 1
+        if users:
+            return  # already patched by another cache on this model
         self.original = self.configs[0]._attn_implementation or "eager"
-        name = f"kvdirect_{self.original}"
+        first._kvdirect_original = self.original
+        name = PREFIX + self.original
         if self.original == "eager":
             from transformers.models.llama.modeling_llama import eager_attention_forward
 
             inner = eager_attention_forward
         else:
             inner = ALL_ATTENTION_FUNCTIONS[self.original]
+        original = self.original
 
         def attention(module: Any, query, key, value, attention_mask, **kwargs):
             layer = getattr(module, "_kvdirect_layer", None)
             if layer is None or layer.pending_cold is None:
-                if self.original == "eager":
+                if original == "eager":
                     eager = getattr(module, "_kvdirect_eager", None) or inner
                     return eager(module, query, key, value, attention_mask, **kwargs)
                 return inner(module, query, key, value, attention_mask, **kwargs)
@@ -147,20 +164,25 @@ class StreamedAttention:
 
         AttentionInterface.register(name, attention)
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[self.original])
-        self.modules = modules
-        for module, layer in zip(modules, cache.layers):
-            module._kvdirect_layer = layer
+        for module in self.modules:
             module._kvdirect_eager = _module_eager(module)
         for config in self.configs:
             config._attn_implementation = name
 
     def remove(self) -> None:
+        first = self.modules[0]
+        first._kvdirect_users = getattr(first, "_kvdirect_users", 1) - 1
+        if first._kvdirect_users > 0:
+            return
+        original = getattr(first, "_kvdirect_original", "sdpa")
         for config in self.configs:
-            config._attn_implementation = self.original
+            config._attn_implementation = original
         for module in self.modules:
-            for attr in ("_kvdirect_layer", "_kvdirect_eager"):
+            for attr in ("_kvdirect_layer", "_kvdirect_eager", "_kvdirect_users"):
                 if hasattr(module, attr):
                     delattr(module, attr)
+        if hasattr(first, "_kvdirect_original"):
+            del first._kvdirect_original
 
 
 def _module_eager(module: Any) -> Any:

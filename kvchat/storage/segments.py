@@ -224,6 +224,12 @@ def verify(path: Path, info: SegmentInfo, conv_id: str) -> None:
         _verified[key] = digest
 
 
+def remember(path: Path, sha256: str) -> None:
+    """Record a segment this process has just written as verified (no need to re-hash it)."""
+    with _verified_lock:
+        _verified[_stat_key(path)] = sha256
+
+
 def forget(path: Path) -> None:
     """Drop cached verifications of ``path``, or of everything under it if it is a folder
     (after deleting it, so the cache does not grow with dead entries)."""

@@ -278,6 +278,7 @@ class Conversation:
             except BaseException:
                 self._settle_failed_save(seg_path, new, text)
                 raise
+            segments.remember(seg_path, info.sha256)
             self.manifest = new
 
     def _settle_failed_save(self, seg_path: Path, new: Manifest, text: str) -> bool:

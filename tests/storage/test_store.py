@@ -142,6 +142,9 @@ def test_open_slice_reads_rows_and_verifies_once(store, monkeypatch):
     monkeypatch.setattr(segments_mod, "_sha256_file", lambda p: calls.append(p) or real(p))
     with new(store) as conv:
         saved = save_turns(conv, 2)
+        conv.open_slice(2, "layer0.resid", 0, 1)
+        assert calls == []  # written by this process: its checksum is already known
+        segments_mod.forget(conv.segment_path(2))
         for start, stop in [(0, 1), (1, 4), (2, 2), (0, 5)]:
             for name in ("layer0.resid", "layer1.resid"):
                 got = conv.open_slice(2, name, start, stop)
