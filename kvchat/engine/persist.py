@@ -210,8 +210,15 @@ def _placeholder(rows: int) -> Any:
 
 
 def _small_tensors(conversation: Any, index: int, layout: dict) -> dict[str, torch.Tensor]:
+    """The per-layer ``.first`` / ``.calls`` index tensors, read by offset (the segment was
+    verified when its layout was read). Not through ``safe_open``: with torch loaded it maps
+    the whole file and costs tens of MiB of RSS for a few bytes."""
+    from kvchat.engine.disk_tier import DiskRows, RowFile, read_rows
+
     names = [n for n in layout if n.endswith(".first") or n.endswith(".calls")]
-    return {n: conversation.open_slice(index, n, 0, layout[n].shape[0]) for n in names}
+    file = RowFile(conversation.segment_path(index))
+    parts = [DiskRows(file, layout[n].offset, layout[n].shape, layout[n].dtype) for n in names]
+    return dict(zip(names, read_rows(parts, "cpu")))
 
 
 def _restore_kv(layer: Any, parts: list, n_cached: int) -> None:
