@@ -155,7 +155,13 @@ class EngineBackend:
         else:
             # Release the current conversation's lock first: it may be the one asked for.
             self._session.close()
-            self._session = self._new_session(None, conversation_id=conv_id)
+            try:
+                self._session = self._new_session(None, conversation_id=conv_id)
+            except BaseException:
+                # Keep a usable session (the one closed above is saved and can be resumed);
+                # the UI shows the error.
+                self._session = self._new_session(None)
+                raise
             view = resumed_view(self._session)
         return ResumedConversation(**view)
 

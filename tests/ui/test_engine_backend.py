@@ -115,3 +115,24 @@ async def test_real_model_answers_in_the_app(smollm2_dir, tmp_path):
         assert any("capital of France" in t for t in texts)
         assert any("Paris" in t for t in texts)
         assert second.turn_memory and second.turn_memory[-1]["tokens"] > 10
+
+
+@pytest.mark.slow
+def test_a_conversation_that_cannot_be_opened_leaves_a_usable_session(smollm2_dir, tmp_path):
+    """A conversation that cannot be opened (here: no such id) fails with one line; the
+    backend keeps a working session instead of the one it closed to open it."""
+    from kvchat.engine.settings import SamplingSettings
+
+    backend = EngineBackend(cli_opts(model=str(smollm2_dir), data_dir=str(tmp_path)))
+    backend.load(lambda _m: None)
+    backend.send("Hi!", SamplingSettings(max_new_tokens=3), on_text=None, should_stop=None)
+    conv_id = backend.list_conversations()[0]["id"]
+    backend.new_conversation(None)
+    with pytest.raises(KvchatError, match="no conversation"):
+        backend.open_conversation("zzzz-not-there")
+    turn = backend.send(
+        "Hello?", SamplingSettings(max_new_tokens=3), on_text=None, should_stop=None
+    )
+    assert turn.tokens > 0 and backend.memory()["tokens"] > 0
+    assert backend.open_conversation(conv_id).messages
+    backend.close()
