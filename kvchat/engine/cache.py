@@ -373,7 +373,7 @@ class KVDirectLayer(CacheLayerMixin):
     # -- disk tier -----------------------------------------------------------------------
     def _keep_under_budget(self) -> None:
         """Move the oldest resident checkpoints to disk while over this layer's budget."""
-        budget = self.owner.layer_checkpoint_budget()
+        budget = self.owner.layer_checkpoint_budget(self)
         if budget is None:
             return
         excess = self.checkpoint_bytes() - budget
@@ -489,11 +489,19 @@ class KVDirectCache(Cache):
             self._attention_patch = StreamedAttention(self)
 
     # -- disk tier -----------------------------------------------------------------------
-    def layer_checkpoint_budget(self) -> int | None:
+    def layer_checkpoint_budget(self, layer: KVDirectLayer) -> int | None:
+        """``layer``'s share of the resident checkpoint budget, by the tokens it must keep:
+        a sliding layer needs at most a window, a full layer the whole conversation."""
         if self.checkpoint_budget is None:
             return None
-        n = sum(1 for layer in self.layers if layer.form == "residual")
-        return self.checkpoint_budget // max(n, 1)
+
+        def need(x: KVDirectLayer) -> int:
+            if x.is_sliding:
+                return min(x.cumulative_length, x.sliding_window)
+            return x.cumulative_length
+
+        total = sum(need(x) for x in self.layers if x.form == "residual")
+        return self.checkpoint_budget * need(layer) // max(total, 1)
 
     def spill_area(self) -> SpillArea:
         if self._spill is None:

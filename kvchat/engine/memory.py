@@ -110,5 +110,6 @@ def _disk_note(mem: dict[str, Any]) -> str:
         return ""
     from kvchat.engine.planner import human_bytes
 
-    where = "disk tier, " if mem.get("disk_tier") else ""
-    return f" | on disk: {where}{human_bytes(mem['disk_bytes'])}"
+    if mem.get("disk_tier"):
+        return f" | disk tier: {human_bytes(mem['disk_bytes'])} on disk"
+    return f" | on disk: {human_bytes(mem['disk_bytes'])}"

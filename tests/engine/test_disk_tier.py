@@ -200,3 +200,20 @@ def test_a_full_disk_while_spilling_ends_the_reply_cleanly_and_keeps_the_state(
     assert again.error is None and again.reply
     assert again.memory["state_bytes"] <= 2_000_000
     session.close()
+
+
+def test_gemma3_past_its_sliding_window_under_the_disk_tier(gemma270m_loaded, tmp_path):
+    """Sliding (window 512) and global layers share the resident budget by need; the
+    continuation past the window matches the standard cache."""
+    text = long_text(45)
+    sampling = SamplingSettings(max_new_tokens=10)
+    standard = ChatSession(gemma270m_loaded, cache=CacheSettings(kind="standard"))
+    ref = [standard.send(p, sampling).tokens for p in (text, "Note 3 was")]
+    settings = CacheSettings(max_mem=3_000_000)
+    session = ChatSession(gemma270m_loaded, cache=settings, spill_root=tmp_path)
+    seen = watch_resident(session)
+    got = [session.send(p, sampling) for p in (text, "Note 3 was")]
+    assert [r.tokens for r in got] == ref
+    assert session.cache.get_seq_length() > 512 and session.plan.disk_tier
+    assert max(seen) <= 3_000_000, f"resident state reached {max(seen)} bytes"
+    session.close()
