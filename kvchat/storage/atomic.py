@@ -57,31 +57,13 @@ def write_atomic(path: Path, data: bytes | bytearray | memoryview) -> None:
     Raises the underlying OSError (the target is then untouched), or DirSyncError after the
     rename if only the final directory fsync failed.
     """
-    path = Path(path)
-    directory = path.parent
-    tmp = directory / f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        try:
-            _write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:
-        fsync_dir(directory)
-    except OSError as e:
-        raise DirSyncError(e.errno, f"fsync of directory {directory} failed: {e.strerror}") from e
+    write_atomic_stream(path, [data])
 
 
 def write_atomic_stream(path: Path, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
-    """``write_atomic`` for data produced piece by piece, never held whole in memory."""
+    """``write_atomic`` for data produced piece by piece, never held whole in memory: temp
+    file, fsync, rename, directory fsync. On failure the target is untouched and the temp
+    file removed."""
     path = Path(path)
     directory = path.parent
     tmp = directory / f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
