@@ -63,23 +63,10 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32") -> Any:
 
 
 def seeded_prompt(loaded: Any, n_tokens: int, seed: int = 0) -> list[int]:
-    """Exactly ``n_tokens`` token ids drawn at random (seeded), no special tokens.
+    """Exactly ``n_tokens`` seeded random token ids, no special tokens (kvchat.lab.prompts)."""
+    from kvchat.lab.prompts import seeded_ids
 
-    Random ids keep the length exact and the content identical from run to run; the model
-    does not need to make sense of them for a speed measurement.
-    """
-    import torch
-
-    tok = loaded.tokenizer
-    vocab = min(int(loaded.model.config.vocab_size), len(tok))
-    special = set(tok.all_special_ids)
-    gen = torch.Generator().manual_seed(seed)
-    ids: list[int] = []
-    while len(ids) < n_tokens:
-        for t in torch.randint(0, vocab, (n_tokens,), generator=gen).tolist():
-            if t not in special:
-                ids.append(t)
-    return ids[:n_tokens]
+    return seeded_ids(loaded, n_tokens, seed)
 
 
 def collect() -> None:

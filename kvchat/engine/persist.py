@@ -18,6 +18,7 @@ text the token ids stand for and the per-layer forms.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,17 +131,26 @@ def note_saved(session: ChatSession, turn_index: int, since: int) -> None:
 
 
 def _point_calls(cache: Any, layer: Any, calls: list, where: Any, path: Path) -> None:
+    """Each call's rows, saved consecutively in ``where``: read them from there now."""
+    for call, rows in zip(calls, _segment_rows(cache, where, path, [c.rows for c in calls])):
+        call.saved = rows
+        if call.residual is None:
+            call.disk = rows
+
+
+def _segment_rows(cache: Any, where: Any, path: Path, lengths: list[int]) -> list[Any]:
+    """Where runs of ``lengths`` rows sit, one after another, in tensor ``where`` of a segment."""
     from kvchat.engine.disk_tier import DiskRows
 
     file = cache.row_file(path)
     offset = where.offset
-    itemsize = torch.empty((), dtype=where.dtype).element_size()
     width = where.shape[-1]
-    for call in calls:
-        call.saved = DiskRows(file, offset, (1, call.rows, width), where.dtype)
-        if call.residual is None:
-            call.disk = call.saved
-        offset += call.rows * width * itemsize
+    row_bytes = width * torch.empty((), dtype=where.dtype).element_size()
+    out = []
+    for n in lengths:
+        out.append(DiskRows(file, offset, (1, n, width), where.dtype))
+        offset += n * row_bytes
+    return out
 
 
 def restore(session: ChatSession, conversation: Any, n_cached: int) -> None:
@@ -170,43 +180,33 @@ def restore(session: ChatSession, conversation: Any, n_cached: int) -> None:
                 continue
             first = int(small[f"L{i}.first"][0])
             if f"L{i}.residual" in layout:
-                if not isinstance(cache, KVDirectCache) or layer.form != "residual":
+                if not kvdirect or layer.form != "residual":
                     raise ValueError(f"layer {i} was saved as residuals but is not residual form")
-                calls, start = [], first
-                for length in small[f"L{i}.calls"].tolist():
-                    calls.append(_Call(start, None))
-                    start += length
-                    calls[-1].disk = _placeholder(length)
-                _point_calls(cache, layer, calls, layout[f"L{i}.residual"], path)
-                layer.calls.extend(calls)
+                lengths = small[f"L{i}.calls"].tolist()
+                where = _segment_rows(cache, layout[f"L{i}.residual"], path, lengths)
+                starts = list(itertools.accumulate([first, *lengths[:-1]]))
+                layer.calls.extend(
+                    _Call(start, None, disk=rows, saved=rows) for start, rows in zip(starts, where)
+                )
                 layer.device = device  # where rows read back from disk must go
             else:
-                if tensors is None:
-                    tensors = conversation.read_turn_tensors(turn.index)
                 k = tensors[f"L{i}.k"].to(device)
                 v = tensors[f"L{i}.v"].to(device)
                 kv_parts.setdefault(i, []).append((first, k, v))
 
-    disk_tier = isinstance(cache, KVDirectCache) and cache.checkpoint_budget is not None
+    disk_tier = kvdirect and cache.checkpoint_budget is not None
     for i, layer in enumerate(cache.layers):
         parts = kv_parts.get(i)
         if parts:
             _restore_kv(layer, parts, n_cached)
         layer.cumulative_length = n_cached
-        if isinstance(cache, KVDirectCache) and layer.form == "residual":
+        if kvdirect and layer.form == "residual":
             if layer.is_sliding:
                 needed_from = n_cached - layer.sliding_window + 1
                 layer.calls = [c for c in layer.calls if c.end > needed_from]
             if not disk_tier:
                 layer.load_resident()
             _restore_hot(layer, n_cached)
-
-
-def _placeholder(rows: int) -> Any:
-    """Stand-in location so ``rows`` is known until the call is pointed at its segment."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(shape=(1, rows, 0))
 
 
 def _small_tensors(conversation: Any, index: int, layout: dict) -> dict[str, torch.Tensor]:

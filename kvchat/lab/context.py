@@ -25,6 +25,15 @@ class LabContext:
         folder.mkdir(parents=True, exist_ok=True)
         return folder / f"{name}.png", f"figures/{name}.png"
 
+    def save_figure(self, fig: Any, name: str) -> str:
+        """Write ``fig`` as figures/NAME.png, close it, and return the path for the report."""
+        import matplotlib.pyplot as plt
+
+        path, rel = self.figure(name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return rel
+
     def load(self, spec: str, dtype: str = "float32") -> Any:
         """A real model as the engine holds it (``LoadedModel``), loaded once per run."""
         key = (spec, dtype)

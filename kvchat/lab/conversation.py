@@ -581,6 +581,4 @@ def _plot(ctx: LabContext, standard: Run, attempts: list[Run], target: int) -> s
     bottom.xaxis.get_major_locator().set_params(integer=True)
     bottom.grid(alpha=0.3)
     bottom.legend(fontsize=8, loc="upper left")
-    path, rel = ctx.figure("conversation_memory")
-    fig.savefig(path, dpi=110)
-    return rel
+    return ctx.save_figure(fig, "conversation_memory")

@@ -346,7 +346,4 @@ def _figure(ctx: LabContext, results: list[dict[str, Any]]) -> str | None:
         ax.set_ylabel(f"max |diff| (0 drawn at {FLOOR:g})")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path, rel = ctx.figure("identity_per_layer")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return rel
+    return ctx.save_figure(fig, "identity_per_layer")

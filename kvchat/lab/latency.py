@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.lab.context import LabContext
+from kvchat.lab.prompts import seeded_ids
 from kvchat.lab.report import Claim, Section, Table
 
 OPS = (
@@ -335,7 +336,7 @@ def _measure_context(
 
     adapter = loaded.adapter()
     layer = _study_layer(adapter)
-    ids = _seeded_ids(loaded, context)
+    ids = seeded_ids(loaded, context)
     layouts = _layouts(context, plan.batches, plan.decoded_tail)
     t0 = time.perf_counter()
     for layout in layouts:
@@ -456,21 +457,6 @@ def _ratio(value: float | None) -> float | None:
     if value is None or math.isnan(value):
         return None
     return round(value, 2) if value < 100 else round(value)
-
-
-def _seeded_ids(loaded: Any, n: int, seed: int = 0) -> list[int]:
-    """``n`` token ids drawn at random (seeded), no special tokens (as benchmarks/common.py)."""
-    import torch
-
-    tok = loaded.tokenizer
-    vocab = min(int(loaded.model.config.vocab_size), len(tok))
-    special = set(tok.all_special_ids)
-    gen = torch.Generator().manual_seed(seed)
-    ids: list[int] = []
-    while len(ids) < n:
-        drawn = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        ids += [t for t in drawn if t not in special]
-    return ids[:n]
 
 
 def run(ctx: LabContext) -> Section:
@@ -669,6 +655,4 @@ def _plot(ctx: LabContext, results: dict[str, Any]) -> str | None:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8)
     fig.suptitle(f"Latency per operation on {ctx.device}: recompute K/V vs read cached K/V")
-    path, rel = ctx.figure("latency")
-    fig.savefig(path, dpi=110)
-    return rel
+    return ctx.save_figure(fig, "latency")

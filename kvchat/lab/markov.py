@@ -339,7 +339,4 @@ def _figure(ctx: LabContext, runs: list[dict[str, Any]]) -> str | None:
         ax.set_ylabel(f"KL (0 drawn at {FLOOR:g})")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path, rel = ctx.figure("markov_kl_per_layer")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return rel
+    return ctx.save_figure(fig, "markov_kl_per_layer")

@@ -244,7 +244,4 @@ def _figure(ctx: LabContext, runs: list[dict[str, Any]]) -> str | None:
     ax.set_title("cached vs no-cache greedy decoding, fp32")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path, rel = ctx.figure("nocache_logit_diff")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return rel
+    return ctx.save_figure(fig, "nocache_logit_diff")

@@ -74,3 +74,22 @@ def passage_ids(tokenizer: Any | None, length: int) -> list[int]:
     while len(ids) < length:
         ids = ids + ids
     return ids[:length]
+
+
+def seeded_ids(loaded: Any, n_tokens: int, seed: int = 0) -> list[int]:
+    """Exactly ``n_tokens`` token ids drawn at random (seeded), no special tokens.
+
+    Random ids keep the length exact and the content identical from run to run; a speed
+    measurement does not need the model to make sense of them.
+    """
+    import torch
+
+    tok = loaded.tokenizer
+    vocab = min(int(loaded.model.config.vocab_size), len(tok))
+    special = set(tok.all_special_ids)
+    gen = torch.Generator().manual_seed(seed)
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        drawn = torch.randint(0, vocab, (n_tokens,), generator=gen).tolist()
+        ids += [t for t in drawn if t not in special]
+    return ids[:n_tokens]
