@@ -94,6 +94,17 @@ class ArchAdapter:
         layer = self.decoder_layers[layer_idx]
         return layer.attn if self.is_gpt2 else layer.self_attn
 
+    def attention_module(self, layer_idx: int) -> nn.Module:
+        return self._attention(layer_idx)
+
+    def kv_shape(self, layer_idx: int) -> tuple[int, int]:
+        """(kv heads, head dim) of layer ``layer_idx``'s K and V."""
+        attn = self._attention(layer_idx)
+        if self.is_gpt2:
+            return attn.num_heads, attn.head_dim
+        heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        return heads, attn.head_dim
+
     def _input_norm(self, layer_idx: int) -> nn.Module:
         layer = self.decoder_layers[layer_idx]
         return layer.ln_1 if self.is_gpt2 else layer.input_layernorm

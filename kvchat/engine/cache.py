@@ -23,6 +23,17 @@ The price is that each decoded token that has left the hot window costs one smal
 layer per step when it is recomputed; prefill chunks cost one GEMM each. The benchmarks
 measure it.
 
+Where rows live
+---------------
+Each layer's cold rows sit in a ``RowStore`` (state_store.py) as pieces of either form --
+the residual (recomputed, as above) or the K/V themselves (read back, bit for bit) -- and in
+one of three places: resident, a spill file, or a saved segment. A layer has a *capture*
+form, what its new tokens become: residual layers checkpoint every token's residual as it
+passes (hot tokens too, since the residual exists only during the forward call); K/V-form
+layers write a token's K/V out only when it leaves the hot window, so with nothing evicted
+a K/V-form layer holds exactly what ``DynamicCache`` holds. A store may mix forms (a
+conversation saved as residuals and resumed as K/V keeps its old pieces as they are).
+
 Sliding-window layers (Gemma 3, Mistral) return exactly what ``DynamicSlidingWindowLayer``
 returns (the last ``window - 1`` tokens plus the new ones) and drop a call's residuals once
 none of its rows can be seen again.
@@ -32,88 +43,62 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvchat.engine.disk_tier import DiskRows, RowFile, SpillArea, read_rows
+from kvchat.engine.disk_tier import DiskRows, RowFile, SpillArea
 from kvchat.engine.planner import READ_CHUNK_ROWS
+from kvchat.engine.state_store import Piece, RowStore, nbytes, sub_rows
 from kvchat.errors import NeedsDiskTierError, StorageError
 
 if TYPE_CHECKING:
     from kvchat.engine.arch import ArchAdapter
+    from kvchat.engine.planner import Plan
 
 CHECKPOINT_FORMS = ("residual", "kv", "auto")
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
     """``t`` in storage of its own size, so a kept slice never pins a whole chunk's tensor."""
-    if t.is_contiguous() and t.untyped_storage().nbytes() == _nbytes(t):
+    if t.is_contiguous() and t.untyped_storage().nbytes() == nbytes(t):
         return t
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
-@dataclass
-class _Call:
-    """Residual rows of one original forward call at one layer: in memory or on disk."""
-
-    start: int
-    residual: torch.Tensor | None  # [1, M, d] while resident
-    disk: DiskRows | None = None  # where the rows are once they left memory
-    saved: DiskRows | None = None  # the same rows in a saved segment, once saved
-
-    @property
-    def rows(self) -> int:
-        held = self.residual if self.residual is not None else self.disk
-        return held.shape[1]
-
-    @property
-    def end(self) -> int:
-        return self.start + self.rows
-
-    @property
-    def resident_bytes(self) -> int:
-        return _nbytes(self.residual)
+def pack_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[1, H, M, d] K and V -> token-major rows [1, M, 2 * H * d] (all K heads, then V)."""
+    m = keys.shape[-2]
+    k = keys.transpose(1, 2).reshape(1, m, -1)
+    v = values.transpose(1, 2).reshape(1, m, -1)
+    return torch.cat([k, v], dim=-1)
 
 
-def _split_call(call: _Call, rows: int) -> list[_Call]:
-    if call.rows <= rows:
-        return [call]
-    pieces = []
-    for r0 in range(0, call.rows, rows):
-        r1 = min(call.rows, r0 + rows)
-        if call.residual is not None:
-            pieces.append(_Call(call.start + r0, call.residual[:, r0:r1]))
-            continue
-        disk = call.disk
-        row_bytes = disk.nbytes // disk.shape[1]
-        shape = (1, r1 - r0, disk.shape[-1])
-        part = DiskRows(disk.file, disk.offset + r0 * row_bytes, shape, disk.dtype)
-        pieces.append(_Call(call.start + r0, None, disk=part))
-    return pieces
+def unpack_kv(rows: torch.Tensor, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``pack_kv``: views, no copy."""
+    m = rows.shape[1]
+    both = rows.view(1, m, 2, heads, dim)
+    return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
 
 
-@dataclass
 class CacheStats:
     """Counters the accounting snapshot reads."""
 
-    recompute_seconds: float = 0.0
-    recomputed_tokens: int = 0
-    scratch_peak_bytes: int = 0
-    step_scratch_bytes: int = 0  # largest scratch since the last forward call began
-    spilled_bytes: int = 0  # checkpoint bytes moved to disk (cumulative)
-    disk_read_bytes: int = 0  # checkpoint bytes read back from disk (cumulative)
+    def __init__(self) -> None:
+        self.recompute_seconds = 0.0
+        self.recomputed_tokens = 0
+        self.read_seconds = 0.0  # reading K/V-form rows back from disk
+        self.scratch_peak_bytes = 0
+        self.step_scratch_bytes = 0  # largest scratch since the last forward call began
+        self.spilled_bytes = 0  # bytes moved to disk (cumulative)
+        self.disk_read_bytes = 0  # bytes read back from disk (cumulative)
 
-    def note_scratch(self, nbytes: int) -> None:
-        self.scratch_peak_bytes = max(self.scratch_peak_bytes, nbytes)
-        self.step_scratch_bytes = max(self.step_scratch_bytes, nbytes)
+    def note_scratch(self, n: int) -> None:
+        self.scratch_peak_bytes = max(self.scratch_peak_bytes, n)
+        self.step_scratch_bytes = max(self.step_scratch_bytes, n)
 
 
 class KVDirectLayer(CacheLayerMixin):
@@ -134,14 +119,18 @@ class KVDirectLayer(CacheLayerMixin):
             raise ValueError(f"unknown checkpoint form {form!r}")
         self.owner = owner
         self.layer_idx = layer_idx
-        self.form = form
+        self.form = form  # what new tokens leave behind
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.cumulative_length = 0
-        self.calls: list[_Call] = []
+        self.store = RowStore(layer_idx, max_piece_rows=MAX_PIECE_ROWS)
+        self.kv_heads, self.head_dim = owner.adapter.kv_shape(layer_idx)
         self.pending_residual: torch.Tensor | None = None
         # Cold positions [begin, end) left for the streamed attention to fetch (disk tier).
         self.pending_cold: tuple[int, int] | None = None
+        # K/V-form rows already in a saved segment while still hot: (start, end, where).
+        # When they leave the hot window they point there instead of being written again.
+        self.saved_hot: list[tuple[int, int, DiskRows]] = []
 
     # -- CacheLayerMixin -----------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -171,6 +160,10 @@ class KVDirectLayer(CacheLayerMixin):
     def hot_length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
 
+    @property
+    def hot_from(self) -> int:
+        return self.cumulative_length - self.hot_length
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +178,7 @@ class KVDirectLayer(CacheLayerMixin):
                     f"layer {self.layer_idx}: no residual captured for this call; "
                     "was the cache attached to the model (KVDirectCache.attach)?"
                 )
-            self.calls.append(_Call(start, _compact(residual)))
+            self.store.append(Piece(start, "residual", _compact(residual), calls=[new_len]))
             self.pending_residual = None
 
         # Positions attention needs now: everything (full layer) or the last window - 1
@@ -194,47 +187,57 @@ class KVDirectLayer(CacheLayerMixin):
         hot_from = start - self.hot_length
         parts_k, parts_v = [], []
         self.pending_cold = None
-        if self.form == "residual" and visible_from < hot_from:
+        if visible_from < hot_from:
             if self.owner.stream_chunk is not None:
                 # Too big to hold at once: attention fetches it chunk by chunk (see
                 # streamed_attention.py); we hand over only what is hot.
                 self.pending_cold = (visible_from, hot_from)
-                self.owner.adapter._attention(self.layer_idx)._kvdirect_layer = self
+                self.owner.adapter.attention_module(self.layer_idx)._kvdirect_layer = self
             else:
-                cold_k, cold_v = self._recompute(visible_from, hot_from)
-                parts_k.append(cold_k)
-                parts_v.append(cold_v)
+                for cold_k, cold_v in self.iter_cold_kv(visible_from, hot_from, READ_CHUNK_ROWS):
+                    parts_k.append(cold_k)
+                    parts_v.append(cold_v)
         skip = max(0, visible_from - hot_from)  # hot tokens a sliding layer can no longer see
         hot_k, hot_v = self.keys[..., skip:, :], self.values[..., skip:, :]
         full_k = torch.cat([*parts_k, hot_k, key_states], dim=-2)
         full_v = torch.cat([*parts_v, hot_v, value_states], dim=-2)
         if parts_k:
-            scratch = _nbytes(full_k) + _nbytes(full_v) + sum(map(_nbytes, parts_k + parts_v))
+            held = {
+                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in parts_k + parts_v
+            }
+            scratch = nbytes(full_k) + nbytes(full_v) + sum(held.values())
             self.owner.stats.note_scratch(scratch)
+        had_cold = bool(parts_k)
+        del parts_k, parts_v
 
         self.cumulative_length = start + new_len
-        if not parts_k and skip == 0 and self._keep_hot() >= full_k.shape[-2]:
+        if not had_cold and skip == 0 and self.keep_hot() >= full_k.shape[-2]:
             # Nothing leaves the window: what attention gets is the new cache, as in
             # DynamicLayer (a second concatenation cost ~10% of decode time at 2K-8K).
             self.keys, self.values = full_k, full_v
         else:
-            self._retain(hot_k, hot_v, key_states, value_states)
-        if self.form == "residual":
-            # After _retain, so a sliding layer never writes out rows it is about to drop.
-            self._keep_under_budget()
+            self._retain(hot_k, hot_v, key_states, value_states, hot_from + skip)
+        self.keep_under_budget()
         return full_k, full_v
 
-    # -- internals -----------------------------------------------------------------------
-    def _keep_hot(self) -> int:
+    # -- the hot window ------------------------------------------------------------------
+    def keep_hot(self) -> int:
         """How many of the most recent tokens keep their K/V after this step."""
-        if self.form == "kv":
-            keep = self.cumulative_length
-        else:
-            window = self.owner.hot_window
-            keep = self.cumulative_length if window is None else window
+        window = self.owner.kv_window if self.form == "kv" else self.owner.hot_window
+        keep = self.cumulative_length if window is None else window
         if self.is_sliding:
             keep = min(keep, self.sliding_window - 1)
         return keep
+
+    def _needed_from(self) -> int:
+        """The first position a later query can still see."""
+        if not self.is_sliding:
+            return 0
+        needed = self.cumulative_length - self.sliding_window + 1
+        if self.pending_cold is not None:  # streamed attention still has to read them
+            needed = min(needed, self.pending_cold[0])
+        return max(0, needed)
 
     def _retain(
         self,
@@ -242,9 +245,23 @@ class KVDirectLayer(CacheLayerMixin):
         hot_v: torch.Tensor,
         key_states: torch.Tensor,
         value_states: torch.Tensor,
+        first: int,
     ) -> None:
-        keep = self._keep_hot()
+        """Keep the last ``keep_hot()`` tokens of [hot, new] (``first``: hot_k's position)."""
+        keep = self.keep_hot()
         new_len = key_states.shape[-2]
+        end = self.cumulative_length
+        if self.form == "kv":
+            lo = max(first, self._needed_from())
+            leaving_to = end - keep
+            if lo < leaving_to:
+                both_k = torch.cat([hot_k, key_states], dim=-2)
+                both_v = torch.cat([hot_v, value_states], dim=-2)
+                self._write_out(
+                    both_k[..., lo - first : leaving_to - first, :],
+                    both_v[..., lo - first : leaving_to - first, :],
+                    lo,
+                )
         if keep <= 0:
             self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
             self.values = value_states.new_empty(
@@ -259,16 +276,69 @@ class KVDirectLayer(CacheLayerMixin):
             self.values = torch.cat(
                 [hot_v[..., hot_v.shape[-2] - old_keep :, :], value_states], dim=-2
             )
-        if self.form == "residual" and self.is_sliding:
-            # A call may go once no row of it can be seen again by a later query.
-            needed_from = self.cumulative_length - self.sliding_window + 1
-            if self.pending_cold is not None:  # streamed attention still has to read them
-                needed_from = min(needed_from, self.pending_cold[0])
-            self.calls = [c for c in self.calls if c.end > needed_from]
+        if self.is_sliding:
+            # A piece may go once no row of it can be seen again by a later query.
+            self.store.drop_before(self._needed_from())
+        self._forget_saved_below(self.hot_from)
 
-    def _recompute(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of positions [begin, end), replayed call by call (see module docstring)."""
-        pieces = list(self.iter_cold_kv(begin, end, self.owner.stream_chunk or READ_CHUNK_ROWS))
+    def _forget_saved_below(self, position: int) -> None:
+        while self.saved_hot and self.saved_hot[0][1] <= position:
+            self.saved_hot.pop(0)
+
+    def _write_out(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+        """K/V of positions [first, first + n) leave the hot window: onto disk, as K/V."""
+        self.store.drop_before(self._needed_from())
+        rows = pack_kv(keys, values)
+        n = rows.shape[1]
+        at = 0
+        while at < n:
+            pos = first + at
+            self._forget_saved_below(pos)
+            saved = next(((s, e, w) for s, e, w in self.saved_hot[:2] if s <= pos < e), None)
+            if saved is not None:
+                s, e, where = saved
+                take = min(n - at, e - pos)
+                piece = Piece(pos, "kv", _compact(rows[:, at : at + take]))
+                piece.saved = sub_rows(where, pos - s, pos - s + take)
+            else:
+                nxt = min([s for s, _, _ in self.saved_hot[:2] if s > pos], default=first + n)
+                take = min(n - at, nxt - pos, MAX_PIECE_ROWS)
+                piece = Piece(pos, "kv", _compact(rows[:, at : at + take]))
+            self._store_piece(piece)
+            at += take
+
+    def _store_piece(self, piece: Piece) -> None:
+        try:
+            self.store.write_out(piece, self.owner.spill_area())
+            self.owner.stats.spilled_bytes += 0 if piece.saved is not None else piece.disk.nbytes
+        except StorageError as exc:
+            # Never fail inside a forward call (the layers would disagree on what they
+            # hold): keep the rows resident, and refuse the next call cleanly.
+            self.owner.spill_error = exc
+            self.store.append(piece)
+
+    def trim_hot(self) -> None:
+        """Drop hot K/V beyond the current window now, not at this layer's next update."""
+        if self.keys is None:
+            return
+        keep = self.keep_hot()
+        if self.keys.shape[-2] > keep:
+            cut = self.keys.shape[-2] - keep
+            if self.form == "kv":
+                lo = max(0, self._needed_from() - self.hot_from)
+                if lo < cut:
+                    self._write_out(
+                        self.keys[..., lo:cut, :], self.values[..., lo:cut, :], self.hot_from + lo
+                    )
+            self.keys = _compact(self.keys[..., cut:, :])
+            self.values = _compact(self.values[..., cut:, :])
+            self._forget_saved_below(self.hot_from)
+
+    # -- reading cold rows ---------------------------------------------------------------
+    def cold_kv(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of positions [begin, end) from the store: residual pieces replayed call by
+        call (see module docstring), K/V pieces read as they are."""
+        pieces = list(self.iter_cold_kv(begin, end, READ_CHUNK_ROWS))
         cold_k = torch.cat([k for k, _ in pieces], dim=-2)
         cold_v = torch.cat([v for _, v in pieces], dim=-2)
         return cold_k, cold_v
@@ -276,155 +346,175 @@ class KVDirectLayer(CacheLayerMixin):
     def iter_cold_kv(
         self, begin: int, end: int, chunk_rows: int | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """K/V of positions [begin, end) in order, a bounded chunk of calls at a time.
+        """K/V of positions [begin, end) in order, a bounded run of pieces at a time.
 
-        Each chunk holds whole calls (a call is replayed with its original row count, which
-        is what keeps the recomputed K/V bit-identical) and at most ``chunk_rows`` rows
-        unless a single call is longer. Rows on disk are read just before their chunk.
+        Each run holds whole pieces (a residual piece is replayed with its original row
+        count, which is what keeps the recomputed K/V bit-identical) and at most
+        ``chunk_rows`` rows unless a single piece is longer. Under streamed attention a
+        longer piece is read whole (bounded: MAX_PIECE_ROWS for K/V, one call for
+        residuals) and handed on in ``chunk_rows`` slices; a residual call is then
+        projected in pieces, which may differ in the last bits (that path promises the
+        same greedy tokens).
         """
-        calls = [c for c in self.calls if c.end > begin and c.start < end]
-        if chunk_rows is not None and self.owner.stream_chunk is not None:
-            # Streamed attention bounds scratch by rows, so a long call (a prefill chunk
-            # saved under a roomier ceiling) is projected in pieces: last-bit differences
-            # are possible here, which this path's promise (same greedy tokens) allows.
-            calls = [
-                piece
-                for c in calls
-                for piece in _split_call(c, chunk_rows)
-                if piece.end > begin and piece.start < end
-            ]
+        pieces = self.store.pieces_in(begin, end)
+        streamed = chunk_rows is not None and self.owner.stream_chunk is not None
         stats = self.owner.stats
+        device = getattr(self, "device", None) or "cpu"
+        if streamed and all(p.form == "kv" for p in pieces):
+            yield from self._kv_windows(pieces, device, begin, end, chunk_rows)
+            return
         i = 0
-        while i < len(calls):
-            j, rows = i + 1, calls[i].rows
-            while chunk_rows is not None and j < len(calls) and rows + calls[j].rows <= chunk_rows:
-                rows += calls[j].rows
+        while i < len(pieces):
+            j, rows = i + 1, pieces[i].rows
+            while (
+                chunk_rows is not None and j < len(pieces) and rows + pieces[j].rows <= chunk_rows
+            ):
+                rows += pieces[j].rows
                 j += 1
             if chunk_rows is None:
-                j = len(calls)
+                j = len(pieces)
+            run = pieces[i:j]
             t0 = time.perf_counter()
             with torch.no_grad():
-                residuals = self._load(calls[i:j])
-                pieces = self._replay(calls[i:j], residuals, begin, end)
-            stats.recompute_seconds += time.perf_counter() - t0
-            stats.recomputed_tokens += sum(k.shape[-2] for k, _ in pieces)
-            yield from pieces
+                if streamed and len(run) == 1 and run[0].rows > chunk_rows:
+                    out = self._in_parts(run[0], device, begin, end, chunk_rows)
+                else:
+                    out = self._to_kv(run, self.store.load(run, device), begin, end)
+                stats.disk_read_bytes += self.store.read_bytes(run)
+            if any(p.form == "residual" for p in run):
+                stats.recompute_seconds += time.perf_counter() - t0
+                stats.recomputed_tokens += sum(k.shape[-2] for k, _ in out)
+            else:
+                stats.read_seconds += time.perf_counter() - t0
+            yield from out
             i = j
 
-    def _load(self, calls: list[_Call]) -> list[torch.Tensor]:
-        """The residual rows of ``calls``, reading those on disk (adjacent runs at once)."""
-        on_disk = [c.disk for c in calls if c.residual is None]
-        device = getattr(self, "device", None) or "cpu"
-        loaded = iter(read_rows(on_disk, device) if on_disk else [])
-        self.owner.stats.disk_read_bytes += sum(d.nbytes for d in on_disk)
-        return [c.residual if c.residual is not None else next(loaded) for c in calls]
+    def _kv_windows(
+        self, pieces: list[Piece], device: Any, begin: int, end: int, chunk_rows: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """K/V pieces in windows of ``chunk_rows`` positions counted from ``begin``,
+        whatever the pieces' own boundaries: streamed attention then sums in the same
+        order however the rows were spilled, saved or resumed."""
+        stats = self.owner.stats
+        window_k: list[torch.Tensor] = []
+        window_v: list[torch.Tensor] = []
+        filled = begin
+        t0 = time.perf_counter()
+        for piece in pieces:
+            cuts = [b - piece.start for b in range(begin, end, chunk_rows)]
+            for r0, rows in self.store.load_in_parts(piece, device, cuts):
+                a, b = piece.start + r0, piece.start + r0 + rows.shape[1]
+                lo, hi = max(a, begin), min(b, end)
+                if lo >= hi:
+                    continue
+                k, v = unpack_kv(rows, self.kv_heads, self.head_dim)
+                window_k.append(k[..., lo - a : hi - a, :])
+                window_v.append(v[..., lo - a : hi - a, :])
+                filled = hi
+                if (filled - begin) % chunk_rows == 0 or filled == end:
+                    stats.read_seconds += time.perf_counter() - t0
+                    yield torch.cat(window_k, dim=-2), torch.cat(window_v, dim=-2)
+                    window_k, window_v = [], []
+                    t0 = time.perf_counter()
+            if piece.resident is None:
+                stats.disk_read_bytes += piece.disk.nbytes
+        if window_k:
+            yield torch.cat(window_k, dim=-2), torch.cat(window_v, dim=-2)
 
-    def _replay(
-        self, calls: list[_Call], residuals: list[torch.Tensor], begin: int, end: int
+    def _in_parts(
+        self, piece: Piece, device: Any, begin: int, end: int, chunk_rows: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Recompute ``calls`` (whose rows are ``residuals``), clipped to [begin, end).
+        out = []
+        cuts = list(range(chunk_rows, piece.rows, chunk_rows))
+        for r0, rows in self.store.load_in_parts(piece, device, cuts):
+            a = piece.start + r0
+            b = a + rows.shape[1]
+            if b <= begin or a >= end:
+                continue
+            part = Piece(a, piece.form, rows, calls=[b - a])
+            out.extend(self._to_kv([part], [rows], begin, end))
+        return out
 
-        Consecutive one-row calls (decoded tokens) are grouped: their norm, k-norm and RoPE
-        run once over the group (row-independent), while the projection still runs one row
-        per call, as it originally did.
+    def _to_kv(
+        self, pieces: list[Piece], rows: list[torch.Tensor], begin: int, end: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K/V of ``pieces`` (whose rows are ``rows``), clipped to [begin, end).
+
+        Consecutive one-row residual pieces (decoded tokens) are grouped: their norm,
+        k-norm and RoPE run once over the group (row-independent), while the projection
+        still runs one row per call, as it originally did.
         """
         adapter = self.owner.adapter
         idx = self.layer_idx
-        pieces = []
+        out = []
         i = 0
-        while i < len(calls):
-            j = i
-            if calls[i].rows == 1:
-                while (
-                    j + 1 < len(calls)
-                    and calls[j + 1].rows == 1
-                    and calls[j + 1].start == calls[j].end
-                ):
-                    j += 1
-            group = calls[i : j + 1]
-            if len(group) == 1:
-                hidden = residuals[i]
-                key, value = adapter.project(idx, adapter.normalize(idx, hidden))
+        while i < len(pieces):
+            first, stop = pieces[i].start, pieces[i].end
+            if pieces[i].form == "kv":
+                k, v = unpack_kv(rows[i], self.kv_heads, self.head_dim)
+                i += 1
             else:
-                hidden = torch.cat(residuals[i : j + 1], dim=1)
-                normed = adapter.normalize(idx, hidden)
-                rows = [adapter.project(idx, normed[:, r : r + 1]) for r in range(len(group))]
-                key = torch.cat([k for k, _ in rows], dim=1)
-                value = torch.cat([v for _, v in rows], dim=1)
-            first, stop = group[0].start, group[-1].end
-            positions = torch.arange(first, stop, device=hidden.device).unsqueeze(0)
-            k, v = adapter.finish(idx, key, value, hidden, positions)
+                j = i
+                if pieces[i].rows == 1:
+                    while (
+                        j + 1 < len(pieces)
+                        and pieces[j + 1].form == "residual"
+                        and pieces[j + 1].rows == 1
+                        and pieces[j + 1].start == pieces[j].end
+                    ):
+                        j += 1
+                group = pieces[i : j + 1]
+                stop = group[-1].end
+                if len(group) == 1:
+                    hidden = rows[i]
+                    key, value = adapter.project(idx, adapter.normalize(idx, hidden))
+                else:
+                    hidden = torch.cat(rows[i : j + 1], dim=1)
+                    normed = adapter.normalize(idx, hidden)
+                    parts = [adapter.project(idx, normed[:, r : r + 1]) for r in range(len(group))]
+                    key = torch.cat([k for k, _ in parts], dim=1)
+                    value = torch.cat([v for _, v in parts], dim=1)
+                positions = torch.arange(first, stop, device=hidden.device).unsqueeze(0)
+                k, v = adapter.finish(idx, key, value, hidden, positions)
+                i = j + 1
             lo, hi = max(begin, first) - first, min(end, stop) - first
-            pieces.append((k[..., lo:hi, :], v[..., lo:hi, :]))
-            i = j + 1
-        return pieces
+            out.append((k[..., lo:hi, :], v[..., lo:hi, :]))
+        return out
 
     # -- accounting ----------------------------------------------------------------------
     def hot_bytes(self) -> int:
-        return _nbytes(self.keys) + _nbytes(self.values)
+        return nbytes(self.keys) + nbytes(self.values)
 
     def checkpoint_bytes(self) -> int:
-        """Checkpoint bytes resident in memory (rows moved to disk are not counted here)."""
-        return sum(c.resident_bytes for c in self.calls)
+        """Checkpoint bytes resident in memory (rows on disk are not counted here)."""
+        return self.store.resident_bytes
 
     def disk_checkpoint_bytes(self) -> int:
-        return sum(c.disk.nbytes for c in self.calls if c.residual is None)
+        return self.store.disk_bytes
 
-    # -- disk tier -----------------------------------------------------------------------
-    def _keep_under_budget(self) -> None:
+    # -- the disk tier -------------------------------------------------------------------
+    def keep_under_budget(self) -> None:
         """Move the oldest resident checkpoints to disk while over this layer's budget."""
         budget = self.owner.layer_checkpoint_budget(self)
         if budget is None:
             return
-        excess = self.checkpoint_bytes() - budget
+        excess = self.store.resident_bytes - budget
         if excess <= 0:
             return
-        moving, freed = [], 0
-        for call in self.calls:
-            if call.residual is None:
-                continue
-            moving.append(call)
-            freed += call.resident_bytes
-            if freed >= excess:
-                break
-        unsaved = [c for c in moving if c.saved is None]
-        if unsaved:
-            rows = torch.cat([c.residual for c in unsaved], dim=1)
-            try:
-                where = self.owner.spill_area().write(self.layer_idx, rows)
-            except StorageError as exc:
-                # Never fail inside a forward call (the layers would disagree on what they
-                # hold): stay over budget for this call, and refuse the next one cleanly.
-                self.owner.spill_error = exc
-                return
-            offset = where.offset
-            for call in unsaved:
-                shape = tuple(call.residual.shape)
-                call.disk = DiskRows(where.file, offset, shape, where.dtype)
-                offset += call.resident_bytes
-            self.owner.stats.spilled_bytes += sum(c.resident_bytes for c in unsaved)
-        for call in moving:
-            if call.saved is not None:
-                call.disk = call.saved  # already in a segment: nothing to write
-            call.residual = None
-
-    def trim_hot(self) -> None:
-        """Drop hot K/V beyond the current window now, not at this layer's next update."""
-        if self.form != "residual" or self.keys is None:
-            return
-        keep = self._keep_hot()
-        if self.keys.shape[-2] > keep:
-            cut = self.keys.shape[-2] - keep
-            self.keys = _compact(self.keys[..., cut:, :])
-            self.values = _compact(self.values[..., cut:, :])
+        try:
+            self.owner.stats.spilled_bytes += self.store.move_out(excess, self.owner.spill_area())
+        except StorageError as exc:
+            # Never fail inside a forward call: stay over budget, refuse the next call.
+            self.owner.spill_error = exc
 
     def load_resident(self) -> None:
         """Bring every checkpoint on disk back into memory (the ceiling allows it now)."""
-        on_disk = [c for c in self.calls if c.residual is None]
-        for call, rows in zip(on_disk, self._load(on_disk)):
-            call.residual = rows.clone() if rows.device.type == "cpu" else rows
-            if call.saved is None:
-                call.disk = None
+        self.store.load_resident(getattr(self, "device", None) or "cpu")
+
+    def set_hot(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The hot window's K/V, as rebuilt on resume (the last ``keys.shape[-2]`` tokens)."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = _compact(keys), _compact(values)
 
 
 class KVDirectCache(Cache):
@@ -439,7 +529,8 @@ class KVDirectCache(Cache):
         if len(forms) != adapter.num_layers:
             raise ValueError("one checkpoint form per layer is needed")
         self.adapter = adapter
-        self.hot_window = hot_window
+        self.hot_window = hot_window  # residual-form layers
+        self.kv_window: int | None = None  # K/V-form layers (set under the disk tier)
         self.stats = CacheStats()
         # Disk tier (set by the planner under a ceiling): resident checkpoint bytes allowed
         # across residual layers, and the chunk size of streamed attention (None: hand
@@ -447,9 +538,10 @@ class KVDirectCache(Cache):
         self.checkpoint_budget: int | None = None
         self.stream_chunk: int | None = None
         self.spill_root: Path | None = None
-        self._spill: SpillArea | None = None
+        self.spill: SpillArea | None = None
         self._row_files: dict[str, RowFile] = {}
         self._attention_patch: Any = None
+        self._budget_need_total = 0
         self.spill_error: StorageError | None = None  # a failed move to disk, reported next call
         layers = [
             KVDirectLayer(self, spec.index, form, spec.sliding_window)
@@ -491,26 +583,24 @@ class KVDirectCache(Cache):
     # -- disk tier -----------------------------------------------------------------------
     def layer_checkpoint_budget(self, layer: KVDirectLayer) -> int | None:
         """``layer``'s share of the resident checkpoint budget, by the tokens it must keep:
-        a sliding layer needs at most a window, a full layer the whole conversation."""
+        a sliding layer needs at most a window, a full layer the whole conversation.
+        K/V-form layers keep no resident checkpoints under the disk tier: their resident
+        share is the hot window."""
         if self.checkpoint_budget is None:
             return None
-
-        def need(x: KVDirectLayer) -> int:
-            if x.is_sliding:
-                return min(x.cumulative_length, x.sliding_window)
-            return x.cumulative_length
-
-        total = sum(need(x) for x in self.layers if x.form == "residual")
-        return self.checkpoint_budget * need(layer) // max(total, 1)
+        if layer.form == "kv":
+            return 0
+        total = self._budget_need_total or max(1, sum(map(_need, self.layers)))
+        return self.checkpoint_budget * _need(layer) // total
 
     def spill_area(self) -> SpillArea:
-        if self._spill is None:
+        if self.spill is None:
             if self.spill_root is None:
                 from kvchat.paths import data_dir
 
                 self.spill_root = data_dir()
-            self._spill = SpillArea(self.spill_root)
-        return self._spill
+            self.spill = SpillArea(self.spill_root)
+        return self.spill
 
     def row_file(self, path: Path) -> RowFile:
         """A saved segment opened for reading rows back (one descriptor per file)."""
@@ -519,29 +609,35 @@ class KVDirectCache(Cache):
             self._row_files[key] = RowFile(path)
         return self._row_files[key]
 
-    def apply_plan(self, plan: Any) -> None:
-        """Take the planner's hot window and disk tier, and meet them before the next call."""
-        self.hot_window = plan.hot_window
+    def apply_plan(self, plan: Plan) -> None:
+        """Take the planner's windows and disk tier, and meet them before the next call."""
         if self.spill_error is not None:
             error, self.spill_error = self.spill_error, None
             raise NeedsDiskTierError(f"{error}; the conversation so far is kept") from error
+        self.hot_window = plan.hot_window
+        self.kv_window = plan.kv_window
         self.checkpoint_budget = plan.checkpoint_budget
         self.enable_streaming(plan.stream_chunk)
+        self._budget_need_total = max(1, sum(map(_need, self.layers)))
         for layer in self.layers:
-            if layer.form == "residual":
-                layer.trim_hot()
-                layer._keep_under_budget()
+            layer.trim_hot()
+            layer.keep_under_budget()
+        self._budget_need_total = 0
         self.stats.step_scratch_bytes = 0
+
+    def spill_bytes_live(self) -> int:
+        """Bytes of rows that only a spill file holds (nothing saved points at them)."""
+        return sum(layer.store.spill_bytes for layer in self.layers)
 
     def disk_bytes(self) -> int:
         """Bytes of spill files (saved segments are counted by the conversation)."""
-        return 0 if self._spill is None else self._spill.nbytes()
+        return 0 if self.spill is None else self.spill.nbytes()
 
     def close(self) -> None:
         self.detach()
-        if self._spill is not None:
-            self._spill.close()
-            self._spill = None
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
         for file in self._row_files.values():
             file.close()
         self._row_files.clear()
@@ -560,15 +656,19 @@ class KVDirectCache(Cache):
         return sum(layer.checkpoint_bytes() for layer in self.layers)
 
     def hot_tokens(self) -> int:
-        """Tokens whose K/V are held at every residual-form full-attention layer."""
-        lengths = [
-            layer.hot_length
-            for layer in self.layers
-            if layer.form == "residual" and not layer.is_sliding
-        ]
+        """Tokens whose K/V are held at every full-attention layer."""
+        lengths = [layer.hot_length for layer in self.layers if not layer.is_sliding]
         if not lengths:
             lengths = [layer.hot_length for layer in self.layers]
         return min(lengths) if lengths else 0
+
+
+def _need(layer: KVDirectLayer) -> int:
+    if layer.form != "residual":
+        return 0
+    if layer.is_sliding:
+        return min(layer.cumulative_length, layer.sliding_window)
+    return layer.cumulative_length
 
 
 def _capture_into(layer: KVDirectLayer):

@@ -1,16 +1,21 @@
 """A conversation's state on disk: what each turn adds, and how to rebuild the cache from it.
 
 Per turn the segment file holds, for every layer, only what that turn added since the last
-save:
+save, as the layer's state store reports it (``RowStore.state``):
 
-* residual-form layers: ``L{i}.residual`` (the residual rows of this turn's forward calls,
+* residual pieces: ``L{i}.residual`` (the residual rows of this turn's forward calls,
   concatenated) and ``L{i}.calls`` (the row count of each call), because the replay that
-  makes recompute bit-identical needs the original call boundaries;
-* K/V-form layers and the standard cache: ``L{i}.k`` / ``L{i}.v``;
-* ``L{i}.first``: the position of the first row saved.
+  makes recompute bit-identical needs the original call boundaries; ``L{i}.first``;
+* K/V-form layers: ``L{i}.kv``, the K/V rows packed token-major (cache.pack_kv: cold rows
+  the store holds, then the hot ones), so any run of positions is one byte range that the
+  disk tier reads back in place; ``L{i}.kvfirst``;
+* the standard cache: ``L{i}.k`` / ``L{i}.v`` and ``L{i}.first`` (also what K/V-form layers
+  wrote before the packed form; still read).
 
 Hot K/V of residual layers are never saved: on resume they are recomputed from the
-checkpoints by the same replay, which gives the same bits. The manifest (storage) holds
+checkpoints by the same replay, which gives the same bits. A conversation resumes under any
+ceiling and any ``--checkpoint``: saved pieces keep their form (a residual piece is
+replayed, a K/V piece read), new tokens take the form chosen now. The manifest (storage) holds
 messages, token ids, the model fingerprint and dtype; ``engine_state`` holds the template
 text the token ids stand for and the per-layer forms.
 """
@@ -24,6 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from kvchat.engine.cache import MAX_PIECE_ROWS, pack_kv
+from kvchat.engine.state_store import Piece, PieceState
 
 if TYPE_CHECKING:
     from kvchat.engine.session import ChatSession, LoadedModel
@@ -50,24 +58,55 @@ def fingerprint(loaded: LoadedModel, model_dir: Path | None) -> str:
     return digest.hexdigest()
 
 
+def _save_plan(cache: Any, since: int) -> list[dict[str, Any]]:
+    """Per K/V-Direct layer, what a save from position ``since`` writes, in order: the
+    residual pieces, and the K/V pieces plus the hot K/V rows (K/V-form layers)."""
+    out = []
+    for i, layer in enumerate(cache.layers):
+        pieces = [p for _, p in layer.store.state(since)]
+        residual = [p for p in pieces if p.form == "residual"]
+        kv = [p for p in pieces if p.form == "kv"]
+        hot_from = None
+        if layer.form == "kv" and layer.hot_length:
+            hot_from = max(since, layer.hot_from)
+            if hot_from >= layer.cumulative_length:
+                hot_from = None
+        if kv and hot_from is not None and kv[-1].end != hot_from:
+            raise RuntimeError(f"layer {i}: K/V rows to save are not contiguous")
+        out.append(
+            {"index": i, "layer": layer, "residual": residual, "kv": kv, "hot_from": hot_from}
+        )
+    return out
+
+
 def turn_tensors(cache: Any, since: int) -> dict[str, Any]:
     """What the cache gained at positions >= ``since``, for a segment file.
 
-    Residual rows that the disk tier already moved out of memory are streamed from their
-    files into the segment (``StreamedTensor``), never gathered in memory whole.
+    Rows are streamed into the segment (``StreamedTensor``) a bounded run at a time, never
+    gathered in memory whole: rows on disk are read back, resident ones copied per run.
     """
     from kvchat.engine.cache import KVDirectCache
 
     out: dict[str, Any] = {}
-    for i, layer in enumerate(cache.layers):
-        if isinstance(cache, KVDirectCache) and layer.form == "residual":
-            calls = [c for c in layer.calls if c.start >= since]
-            if not calls:
-                continue
-            out[f"L{i}.residual"] = _residual_rows(layer, calls)
+    if not isinstance(cache, KVDirectCache):
+        return _standard_tensors(cache, since)
+    for entry in _save_plan(cache, since):
+        i, layer = entry["index"], entry["layer"]
+        if entry["residual"]:
+            calls = entry["residual"]
+            out[f"L{i}.residual"] = _streamed(layer, calls, None)
             out[f"L{i}.calls"] = torch.tensor([c.rows for c in calls])
             out[f"L{i}.first"] = torch.tensor([calls[0].start])
-            continue
+        if entry["kv"] or entry["hot_from"] is not None:
+            out[f"L{i}.kv"] = _streamed(layer, entry["kv"], entry["hot_from"])
+            first = entry["kv"][0].start if entry["kv"] else entry["hot_from"]
+            out[f"L{i}.kvfirst"] = torch.tensor([first])
+    return out
+
+
+def _standard_tensors(cache: Any, since: int) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(cache.layers):
         if layer.keys is None or layer.keys.shape[-2] == 0:
             continue
         end = cache.get_seq_length()
@@ -81,64 +120,68 @@ def turn_tensors(cache: Any, since: int) -> dict[str, Any]:
     return out
 
 
-def _residual_rows(layer: Any, calls: list) -> Any:
+def _streamed(layer: Any, pieces: list, hot_from: int | None) -> Any:
+    """The rows of ``pieces`` then (K/V form) the hot rows from ``hot_from``, as one tensor
+    streamed in bounded runs."""
+    from kvchat.engine.cache import pack_kv
     from kvchat.engine.disk_tier import tensor_view
     from kvchat.storage.segments import StreamedTensor
 
-    if all(c.residual is not None for c in calls) and layer.owner.checkpoint_budget is None:
-        return torch.cat([c.residual for c in calls], dim=1).cpu()
-    # Under a disk-tier ceiling even resident rows are streamed: a copy of the turn's rows
-    # would double them in memory while the segment is written.
-    first = calls[0].residual if calls[0].residual is not None else calls[0].disk
-    shape = (1, sum(c.rows for c in calls), first.shape[-1])
+    rows = sum(p.rows for p in pieces)
+    if pieces:
+        width, dtype = pieces[0].width, pieces[0].dtype
+    else:
+        width, dtype = 2 * layer.kv_heads * layer.head_dim, layer.keys.dtype
+    hot_rows = 0 if hot_from is None else layer.cumulative_length - hot_from
 
     def chunks():
-        # A bounded run of calls at a time: resident rows as they are, disk rows read back.
-        i = 0
-        while i < len(calls):
-            j, rows = i + 1, calls[i].rows
-            while j < len(calls) and rows + calls[j].rows <= READ_ROWS:
-                rows += calls[j].rows
-                j += 1
-            for rows_tensor in layer._load(calls[i:j]):
-                yield tensor_view(rows_tensor.detach().to("cpu").contiguous())
-            i = j
+        yield from layer.store.stream(pieces, READ_ROWS)
+        if hot_rows:
+            skip = hot_from - layer.hot_from
+            for r0 in range(skip, layer.hot_length, READ_ROWS):
+                r1 = min(layer.hot_length, r0 + READ_ROWS)
+                packed = pack_kv(layer.keys[..., r0:r1, :], layer.values[..., r0:r1, :])
+                yield tensor_view(packed.detach().to("cpu").contiguous())
 
-    return StreamedTensor(first.dtype, shape, chunks)
+    return StreamedTensor(dtype, (1, rows + hot_rows, width), chunks)
 
 
 READ_ROWS = 256
 
 
 def note_saved(session: ChatSession, turn_index: int, since: int) -> None:
-    """After a save: remember where each new call's rows sit in the segment, so the disk
-    tier reads them from there (and never writes them again); spill files go empty."""
+    """After a save: point each saved piece at its rows in the segment, so the disk tier
+    reads them from there (and never writes them again), and remember where the hot K/V
+    rows were saved. Spill files go empty only when no piece still needs them (a save
+    whose re-pointing failed leaves its rows in the spill files, which are then kept)."""
     from kvchat.engine.cache import KVDirectCache
 
     cache = session.cache
-    if not isinstance(cache, KVDirectCache) or session.cache_settings.max_mem is None:
+    if not isinstance(cache, KVDirectCache):
         return
     conversation = session.conversation
     layout = conversation.tensor_layout(turn_index)
     path = conversation.segment_path(turn_index)
-    for i, layer in enumerate(cache.layers):
-        where = layout.get(f"L{i}.residual")
-        if layer.form != "residual" or where is None:
-            continue
-        _point_calls(cache, layer, [c for c in layer.calls if c.start >= since], where, path)
-    if cache._spill is not None:
-        cache._spill.empty()
+    for entry in _save_plan(cache, since):
+        i, layer = entry["index"], entry["layer"]
+        if entry["residual"] and f"L{i}.residual" in layout:
+            calls = entry["residual"]
+            where = segment_rows(cache, layout[f"L{i}.residual"], path, [c.rows for c in calls])
+            layer.store.bind_saved(calls, where)
+        if f"L{i}.kv" in layout:
+            lengths = [p.rows for p in entry["kv"]]
+            hot_rows = 0
+            if entry["hot_from"] is not None:
+                hot_rows = layer.cumulative_length - entry["hot_from"]
+            where = segment_rows(cache, layout[f"L{i}.kv"], path, [*lengths, hot_rows])
+            layer.store.bind_saved(entry["kv"], where[: len(lengths)])
+            if hot_rows:
+                layer.saved_hot.append((entry["hot_from"], layer.cumulative_length, where[-1]))
+    if cache.spill is not None and cache.spill_bytes_live() == 0:
+        cache.spill.empty()
 
 
-def _point_calls(cache: Any, layer: Any, calls: list, where: Any, path: Path) -> None:
-    """Each call's rows, saved consecutively in ``where``: read them from there now."""
-    for call, rows in zip(calls, _segment_rows(cache, where, path, [c.rows for c in calls])):
-        call.saved = rows
-        if call.residual is None:
-            call.disk = rows
-
-
-def _segment_rows(cache: Any, where: Any, path: Path, lengths: list[int]) -> list[Any]:
+def segment_rows(cache: Any, where: Any, path: Path, lengths: list[int]) -> list[Any]:
     """Where runs of ``lengths`` rows sit, one after another, in tensor ``where`` of a segment."""
     from kvchat.engine.disk_tier import DiskRows
 
@@ -156,57 +199,76 @@ def _segment_rows(cache: Any, where: Any, path: Path, lengths: list[int]) -> lis
 def restore(session: ChatSession, conversation: Any, n_cached: int) -> None:
     """Rebuild ``session.cache`` from the saved segments, in turn order.
 
-    Residual checkpoints are not loaded: each call points at its rows in the segment file,
-    and the disk tier reads them when needed (or all at once when the ceiling allows).
-    K/V-form layers and the standard cache load their tensors.
+    Saved pieces are not loaded: each points at its rows in the segment file, and the
+    disk tier reads them when needed (or all at once when the ceiling allows). Then each
+    layer's hot window is rebuilt from them (the same replay, the same bits). The standard
+    cache loads its tensors.
     """
-    from kvchat.engine.cache import KVDirectCache, _Call
+    from kvchat.engine.cache import KVDirectCache
 
     cache = session.cache
+    if not isinstance(cache, KVDirectCache):
+        _restore_standard(session, conversation, n_cached)
+        return
     device = session.loaded.device
-    kv_parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-    turns = conversation.manifest.turns
-    rebased = [t.index for t in turns if t.extra.get("rebase")]
-    kvdirect = isinstance(cache, KVDirectCache)
-    has_kv = any(not (kvdirect and layer.form == "residual") for layer in cache.layers)
-    for turn in turns[rebased[-1] - 1 :] if rebased else turns:
-        # Read (and so verify) a turn holding K/V first: its layout check then hits the memo.
-        tensors = conversation.read_turn_tensors(turn.index) if has_kv else None
+    for turn in _turns_from_last_rebase(conversation):
         layout = conversation.tensor_layout(turn.index)
         path = conversation.segment_path(turn.index)
         small = _small_tensors(conversation, turn.index, layout)
+        old_kv = None
         for i, layer in enumerate(cache.layers):
-            if f"L{i}.first" not in layout:
-                continue
-            first = int(small[f"L{i}.first"][0])
+            layer.device = device  # where rows read back from disk must go
             if f"L{i}.residual" in layout:
-                if not kvdirect or layer.form != "residual":
-                    raise ValueError(f"layer {i} was saved as residuals but is not residual form")
                 lengths = small[f"L{i}.calls"].tolist()
-                where = _segment_rows(cache, layout[f"L{i}.residual"], path, lengths)
+                first = int(small[f"L{i}.first"][0])
+                where = segment_rows(cache, layout[f"L{i}.residual"], path, lengths)
                 starts = list(itertools.accumulate([first, *lengths[:-1]]))
-                layer.calls.extend(
-                    _Call(start, None, disk=rows, saved=rows) for start, rows in zip(starts, where)
-                )
-                layer.device = device  # where rows read back from disk must go
-            else:
-                k = tensors[f"L{i}.k"].to(device)
-                v = tensors[f"L{i}.v"].to(device)
-                kv_parts.setdefault(i, []).append((first, k, v))
-
-    disk_tier = kvdirect and cache.checkpoint_budget is not None
-    for i, layer in enumerate(cache.layers):
-        parts = kv_parts.get(i)
-        if parts:
-            _restore_kv(layer, parts, n_cached)
+                entries = [
+                    (PieceState(s, n, "residual", [n]), w)
+                    for s, n, w in zip(starts, lengths, where)
+                ]
+                _extend_store(layer, entries)
+            if f"L{i}.kv" in layout:
+                first = int(small[f"L{i}.kvfirst"][0])
+                total = layout[f"L{i}.kv"].shape[1]
+                lengths = [min(MAX_PIECE_ROWS, total - r) for r in range(0, total, MAX_PIECE_ROWS)]
+                where = segment_rows(cache, layout[f"L{i}.kv"], path, lengths)
+                starts = list(itertools.accumulate([first, *lengths[:-1]]))
+                entries = [
+                    (PieceState(s, n, "kv", None), w) for s, n, w in zip(starts, lengths, where)
+                ]
+                _extend_store(layer, entries)
+            if f"L{i}.k" in layout:  # written before K/V rows were packed: load them
+                if old_kv is None:
+                    old_kv = conversation.read_turn_tensors(turn.index)
+                first = int(small[f"L{i}.first"][0])
+                rows = pack_kv(old_kv[f"L{i}.k"], old_kv[f"L{i}.v"]).to(device)
+                layer.store.take(first)
+                layer.store.append(Piece(first, "kv", rows))
+    for layer in cache.layers:
         layer.cumulative_length = n_cached
-        if kvdirect and layer.form == "residual":
-            if layer.is_sliding:
-                needed_from = n_cached - layer.sliding_window + 1
-                layer.calls = [c for c in layer.calls if c.end > needed_from]
-            if not disk_tier:
-                layer.load_resident()
-            _restore_hot(layer, n_cached)
+        layer.store.take(n_cached)  # rows a later, unsaved-then-rebased state never reached
+        if layer.is_sliding:
+            layer.store.drop_before(max(0, n_cached - layer.sliding_window + 1))
+        _restore_hot(layer, n_cached)
+        if cache.checkpoint_budget is None and layer.form == "residual":
+            layer.load_resident()
+        layer.keep_under_budget()
+
+
+def _turns_from_last_rebase(conversation: Any) -> list:
+    turns = conversation.manifest.turns
+    rebased = [t.index for t in turns if t.extra.get("rebase")]
+    return turns[rebased[-1] - 1 :] if rebased else turns
+
+
+def _extend_store(layer: Any, entries: list) -> None:
+    """Add saved pieces after what the store holds (a later turn's rows replace a
+    rebased turn's from the same position on)."""
+    if not entries:
+        return
+    layer.store.take(entries[0][0].start)
+    layer.store.from_state(entries)
 
 
 def _small_tensors(conversation: Any, index: int, layout: dict) -> dict[str, torch.Tensor]:
@@ -215,10 +277,34 @@ def _small_tensors(conversation: Any, index: int, layout: dict) -> dict[str, tor
     the whole file and costs tens of MiB of RSS for a few bytes."""
     from kvchat.engine.disk_tier import DiskRows, RowFile, read_rows
 
-    names = [n for n in layout if n.endswith(".first") or n.endswith(".calls")]
+    names = [n for n in layout if n.endswith((".first", ".calls", ".kvfirst"))]
     file = RowFile(conversation.segment_path(index))
     parts = [DiskRows(file, layout[n].offset, layout[n].shape, layout[n].dtype) for n in names]
     return dict(zip(names, read_rows(parts, "cpu")))
+
+
+def _restore_standard(session: ChatSession, conversation: Any, n_cached: int) -> None:
+    cache = session.cache
+    device = session.loaded.device
+    parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for turn in _turns_from_last_rebase(conversation):
+        layout = conversation.tensor_layout(turn.index)
+        if not any(name.endswith(".k") for name in layout):
+            if any(name.endswith((".residual", ".kv")) for name in layout):
+                raise ValueError(
+                    "this conversation holds K/V-Direct state: resume it with --cache kvdirect"
+                )
+            continue
+        tensors = conversation.read_turn_tensors(turn.index)
+        for i in range(len(cache.layers)):
+            if f"L{i}.k" in tensors:
+                first = int(tensors[f"L{i}.first"][0])
+                k, v = tensors[f"L{i}.k"].to(device), tensors[f"L{i}.v"].to(device)
+                parts.setdefault(i, []).append((first, k, v))
+    for i, layer in enumerate(cache.layers):
+        if parts.get(i):
+            _restore_kv(layer, parts[i], n_cached)
+        layer.cumulative_length = n_cached
 
 
 def _restore_kv(layer: Any, parts: list, n_cached: int) -> None:
@@ -237,15 +323,19 @@ def _restore_kv(layer: Any, parts: list, n_cached: int) -> None:
 
 
 def _restore_hot(layer: Any, n_cached: int) -> None:
-    """Recompute the hot window's K/V from the checkpoints (same replay, same bits)."""
-    if not layer.calls:
+    """The hot window's K/V from the saved pieces (replayed or read: the same bits). A
+    K/V-form layer's hot rows leave its store (the store holds only what is cold); where
+    they were saved as K/V, that is remembered so they are never written out again."""
+    store = layer.store
+    if store.start is None:
         return
-    window = layer.owner.hot_window
-    keep = n_cached if window is None else window
-    if layer.is_sliding:
-        keep = min(keep, layer.sliding_window - 1)
-    keep = min(keep, n_cached - layer.calls[0].start)
-    keys, values = layer._recompute(n_cached - max(keep, 1), n_cached)
-    keys, values = keys[..., keys.shape[-2] - keep :, :], values[..., values.shape[-2] - keep :, :]
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys.contiguous(), values.contiguous()
+    keep = min(layer.keep_hot(), n_cached - store.start)
+    if keep <= 0:
+        return
+    begin = n_cached - keep
+    keys, values = layer.cold_kv(begin, n_cached)
+    layer.set_hot(keys, values)
+    if layer.form == "kv":
+        for piece in store.take(begin):
+            if piece.form == "kv" and piece.saved is not None:
+                layer.saved_hot.append((piece.start, piece.end, piece.saved))

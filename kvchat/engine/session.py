@@ -164,7 +164,8 @@ class ChatSession:
         explicit = self.cache_settings.hot_window
         if explicit is not None:
             window = explicit if plan.hot_window is None else min(plan.hot_window, explicit)
-            plan = dataclasses.replace(plan, hot_window=window)
+            kv_window = explicit if plan.kv_window is None else min(plan.kv_window, explicit)
+            plan = dataclasses.replace(plan, hot_window=window, kv_window=kv_window)
         return plan
 
     def _prefill_chunk(self, n_new: int) -> int:
@@ -410,39 +411,37 @@ class ChatSession:
     ) -> ChatSession:
         """Rebuild a saved conversation exactly: messages, token ids and the cache state.
 
-        ``cache`` may change the ceiling or hot window; the per-layer forms stay as saved.
+        ``cache`` may change the ceiling, the hot window and the checkpoint form: saved
+        pieces keep the form they were saved in, new tokens take the one chosen now.
         """
         manifest = conversation.manifest
         state = manifest.engine_state
         saved = CacheSettings(**state.get("cache", {}))
         if cache is not None:
             saved.max_mem, saved.hot_window = cache.max_mem, cache.hot_window
+            saved.checkpoint = cache.checkpoint
         session = cls(loaded, system=state.get("system"), cache=saved, spill_root=spill_root)
         try:
-            session._restore_from(conversation, state, saved)
+            session._restore_from(conversation, state)
         except BaseException:
             session._detach_cache()  # unhook from the model; the caller closes the conversation
             raise
         return session
 
-    def _restore_from(self, conversation: Any, state: dict, saved: CacheSettings) -> None:
+    def _restore_from(self, conversation: Any, state: dict) -> None:
         from kvchat.engine.persist import restore
 
         manifest = conversation.manifest
-        session = self
-        if saved.kind == "kvdirect":
-            session._detach_cache()
-            session._build_cache(forms=state["forms"])
         n_cached = int(state.get("n_cached", 0))
-        if session.planner is not None:
-            session.plan = session._plan(n_cached)
-            session.cache.apply_plan(session.plan)
-        restore(session, conversation, n_cached)
-        session.messages = [dict(m) for m in manifest.messages]
-        session.token_ids = list(manifest.token_ids[int(state.get("ids_from", 0)) :])
-        session._rendered = state.get("rendered", "")
-        session._saved_upto = n_cached
-        session.conversation = conversation
+        if self.planner is not None:
+            self.plan = self._plan(n_cached)
+            self.cache.apply_plan(self.plan)
+        restore(self, conversation, n_cached)
+        self.messages = [dict(m) for m in manifest.messages]
+        self.token_ids = list(manifest.token_ids[int(state.get("ids_from", 0)) :])
+        self._rendered = state.get("rendered", "")
+        self._saved_upto = n_cached
+        self.conversation = conversation
 
     def disk_bytes(self) -> int:
         """Saved segments plus checkpoints spilled since the last save."""

@@ -29,7 +29,7 @@ class CacheSettings:
     kind: str = "kvdirect"  # "kvdirect" | "standard"
     max_mem: int | None = None  # bytes of resident conversation state
     hot_window: int | None = None  # explicit B (upper bound under a ceiling)
-    checkpoint: str = "residual"  # "residual" | "kv" | "auto"
+    checkpoint: str = "auto"  # "residual" | "kv" | "auto"
     prefill_chunk: int = 256
 
     def as_dict(self) -> dict:

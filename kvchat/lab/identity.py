@@ -6,7 +6,7 @@ decoded tokens are forced to the reference's, so both caches see the same inputs
 layer, the K/V of every cold position (a position whose K/V the KV-Direct cache no longer
 holds) are rebuilt from the checkpoints two ways and compared with ``DynamicCache``'s:
 
-* replayed -- what the engine does (``KVDirectLayer._recompute``): each original forward
+* replayed -- what the engine does (``KVDirectLayer.cold_kv``): each original forward
   call's rows go through the projection in the same shape as when they were first computed;
 * naive batched -- every cold row in one projection call, the obvious implementation. On
   CPU the GEMM's per-row result depends on the row count, so this one is not expected to be
@@ -67,11 +67,9 @@ def _naive(layer: Any, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor
     """All cold rows of ``[begin, end)`` through norm, ONE projection call, k-norm, RoPE."""
     adapter = layer.owner.adapter
     idx = layer.layer_idx
-    calls = [c for c in layer.calls if c.end > begin and c.start < end]
+    calls = layer.store.pieces_in(begin, end)
     # Rows the cache moved to disk (a disk tier) are read back the way the cache reads them.
-    load = getattr(layer, "_load", None)
-    residuals = load(calls) if load is not None else [c.residual for c in calls]
-    hidden = torch.cat(residuals, dim=1)
+    hidden = torch.cat(layer.store.load(calls, "cpu"), dim=1)
     first = calls[0].start
     hidden = hidden[:, begin - first : end - first]
     key, value = adapter.project(idx, adapter.normalize(idx, hidden))
@@ -137,7 +135,7 @@ def compare(model: Any, ids: list[int], chunk: int, decode: int) -> dict[str, An
             }
             ref_k, ref_v = ref.keys[..., :cold, :], ref.values[..., :cold, :]
             if cold > 0:
-                k, v = mine._recompute(begin, hot_from)
+                k, v = mine.cold_kv(begin, hot_from)
                 row["replay_equal"] = torch.equal(k, ref_k) and torch.equal(v, ref_v)
                 row["replay_max_abs"] = max(_max_abs(k, ref_k), _max_abs(v, ref_v))
                 nk, nv = _naive(mine, begin, hot_from)

@@ -15,14 +15,14 @@ median time of one operation:
 * ``read K/V (disk, cold)``: the same from a second copy of the file whose pages are dropped
   from the page cache before every operation (``fsync`` at write, then
   ``posix_fadvise(DONTNEED)``; not timed), opened per operation: a real device read;
-* ``recompute (memory)``: the engine's own ``KVDirectLayer._recompute(begin, end)`` over
+* ``recompute (memory)``: the engine's own ``KVDirectLayer.cold_kv(begin, end)`` over
   residuals held in memory: input norm, k/v projection, k-norm, RoPE, replayed per original
   forward call (here one call of exactly ``batch`` rows, as a prefill chunk of that size
   leaves it);
 * ``read residuals (disk, warm|cold) + recompute``: the residual rows read as above, then
   the same stages through the engine's ``ArchAdapter`` (``normalize`` -> ``project`` ->
   ``finish``), which is what ``_replay`` runs for one call;
-* ``recompute (decoded tokens)``: ``_recompute`` over ``batch`` tokens that were decoded one
+* ``recompute (decoded tokens)``: ``cold_kv`` over ``batch`` tokens that were decoded one
   at a time (batch <= the decoded tail): the engine replays one projection row per original
   call to stay bit-identical, so this is the cost of exactness for decoded tokens.
 
@@ -264,7 +264,7 @@ def _ops(
         return split(rows)
 
     def recompute():
-        return kv_layer._recompute(start, end)
+        return kv_layer.cold_kv(start, end)
 
     def disk_warm_re():
         hidden = layout.handles["h"].get_slice("h")[start:end].to(device, copy=True)
@@ -372,7 +372,7 @@ def _measure_context(
                     start = hi - batch
 
                     def op(start: int = start, hi: int = hi, kv_layer: Any = kv_layer) -> Any:
-                        return kv_layer._recompute(start, hi)
+                        return kv_layer.cold_kv(start, hi)
 
                     cells[(batch, DECODED)] = (op, None)
                     with torch.no_grad():

@@ -106,7 +106,7 @@ def test_recomputed_kv_equal_the_cached_kv(family, dtype):
         else:
             begin = 0
             ref_k, ref_v = ref.keys, ref.values
-        k, v = ours._recompute(begin, hot_from)
+        k, v = ours.cold_kv(begin, hot_from)
         assert torch.equal(k, ref_k[..., : hot_from - begin, :]), f"layer {idx} K"
         assert torch.equal(v, ref_v[..., : hot_from - begin, :]), f"layer {idx} V"
         assert torch.equal(ours.keys, ref_k[..., hot_from - begin :, :]), f"layer {idx} hot K"

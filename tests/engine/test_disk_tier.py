@@ -167,7 +167,7 @@ def test_8k_token_conversation_resumed_under_2mb_continues_identically(smollm2_l
     resumed.close()
     assert max(seen) <= 2_000_000, f"resident state reached {max(seen)} bytes"
     assert reply.memory["standard_equivalent_bytes"] > 90 * 2_000_000
-    assert reply.memory["disk_bytes"] > 500 * 2**20  # the 8K tokens' checkpoints, on disk
+    assert reply.memory["disk_bytes"] > 350 * 2**20  # the 8K tokens' K/V, on disk
     # Loading the checkpoints would take 560 MB; RSS stays within ceiling + allowance.
     assert rss.growth <= 2_000_000 + RSS_ALLOWANCE, f"RSS grew {rss.growth / 2**20:.0f} MiB"
 

@@ -44,11 +44,20 @@ def test_no_eviction_while_everything_fits():
 def test_hot_window_shrinks_as_the_conversation_grows_and_always_fits():
     ceiling = 64 * 2**20
     planner, _ = smollm2_planner(ceiling)
-    windows = [planner.hot_window_for(n) for n in (600, 700, 800, 900)]
+    windows = [planner.plan_exact(n).hot_window for n in (600, 700, 800, 900)]
     assert all(w is not None for w in windows)
     assert windows == sorted(windows, reverse=True) and windows[0] > windows[-1]
     for n, w in zip((600, 700, 800, 900), windows):
         assert planner.estimate(n, w).total <= ceiling < planner.estimate(n, w + 1).total
+
+
+def test_memoised_plans_fit_every_length_of_their_block():
+    ceiling = 64 * 2**20
+    planner, _ = smollm2_planner(ceiling)
+    for n in range(590, 660):
+        w = planner.hot_window_for(n)
+        assert planner.estimate(n, w).total <= ceiling
+        assert w <= planner.plan_exact(n).hot_window
 
 
 def test_checkpoints_over_the_ceiling_move_to_the_disk_tier_and_the_plan_fits():
@@ -73,13 +82,19 @@ def test_a_ceiling_too_small_even_for_the_disk_tier_says_what_to_do():
     with pytest.raises(NeedsDiskTierError) as err:
         planner.plan(8192)  # 64 KB of token ids alone
     message = str(err.value)
-    assert "\n" not in message and "raise --max-mem" in message
+    assert "\n" not in message and "use --max-mem" in message
+    # The smallest ceiling it names does run these tokens.
+    named = message.split("use --max-mem ")[1].split()[0]
+    big_enough, _ = smollm2_planner(parse_size(named))
+    assert big_enough.plan(8192).disk_tier
 
 
-def test_kv_checkpoints_over_the_ceiling_point_to_residual_form():
-    planner, _ = smollm2_planner(2 * 10**6, checkpoint="kv")
-    with pytest.raises(NeedsDiskTierError, match="--checkpoint residual"):
-        planner.plan(2000)
+def test_kv_form_over_the_ceiling_moves_kv_to_disk():
+    planner, fp = smollm2_planner(2 * 10**6, checkpoint="kv")
+    plan = planner.plan(2000)
+    assert plan.disk_tier and plan.kv_window is not None and plan.hot_window is None
+    roomy, _ = smollm2_planner(400 * 10**6, checkpoint="kv")
+    assert roomy.plan(2000) == type(plan)()  # everything fits: nothing leaves memory
 
 
 def test_auto_picks_kv_for_gqa_and_residual_for_mha():
