@@ -46,7 +46,7 @@ def model_options(fn: Callable) -> Callable:
         click.option("--cache", "cache_kind", type=click.Choice(["kvdirect", "standard"]), default="kvdirect", show_default=True, help="KV-Direct, or transformers' own DynamicCache for comparison."),
         click.option("--max-mem", callback=_size, default=None, help="Ceiling on resident conversation state, e.g. 64MB, 512KiB, 1.5GB."),
         click.option("--hot-window", type=click.IntRange(min=0), default=None, help="Tokens whose K/V stay hot (default: derived from --max-mem)."),
-        click.option("--checkpoint", type=click.Choice(["residual", "kv", "auto"]), default="residual", show_default=True, help="What an evicted token leaves behind per layer."),
+        click.option("--checkpoint", type=click.Choice(["residual", "kv", "auto"]), default="auto", show_default=True, help="What a cold token leaves behind per layer: its residual (recomputed), its K/V (read back), or auto (the cheaper exact form per layer)."),
         click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True),
     ]  # fmt: skip
     for option in reversed(options):
