@@ -15,6 +15,7 @@ from kvchat.storage.manifest import (
     SegmentCorruptedError,
     SegmentInfo,
     Turn,
+    UnsafeFileError,
 )
 from kvchat.storage.store import Conversation, ConversationStore, ConversationSummary
 
@@ -35,4 +36,5 @@ __all__ = [
     "SegmentCorruptedError",
     "SegmentInfo",
     "Turn",
+    "UnsafeFileError",
 ]

@@ -61,6 +61,11 @@ class ConversationLockedError(StorageError):
     """Another process (or another handle in this one) has the conversation open."""
 
 
+class UnsafeFileError(StorageError):
+    """A conversation folder, or a file in it, is a symbolic link or not a regular file:
+    refused, never followed (a folder copied from someone else must not reach other files)."""
+
+
 class SaveFailedError(StorageError):
     """Writing a turn failed (disk full, I/O error); the previous turn is still on disk."""
 
