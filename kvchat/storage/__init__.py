@@ -18,7 +18,12 @@ from kvchat.storage.manifest import (
     Turn,
     UnsafeFileError,
 )
-from kvchat.storage.store import Conversation, ConversationStore, ConversationSummary
+from kvchat.storage.store import (
+    Conversation,
+    ConversationStore,
+    ConversationSummary,
+    DeleteOutcome,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -28,6 +33,7 @@ __all__ = [
     "ConversationNotFoundError",
     "ConversationStore",
     "ConversationSummary",
+    "DeleteOutcome",
     "Manifest",
     "ManifestEditedError",
     "ManifestError",

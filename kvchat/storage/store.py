@@ -459,9 +459,14 @@ class ConversationStore:
         except FileNotFoundError:
             return []
         except NotADirectoryError:
+            if not self.root.is_dir():
+                raise StorageError(
+                    f"{self.root} is not a folder; pass --data-dir a folder "
+                    "(or a path that does not exist yet)"
+                ) from None
             raise StorageError(
-                f"{self.conversations_dir} is not a folder, so {self.root} is not a kvchat "
-                "data folder; pass --data-dir a folder (or a path that does not exist yet)"
+                f"{self.conversations_dir} is not a folder, so {self.root} cannot hold "
+                "conversations; move that file away or pass another --data-dir"
             ) from None
         except OSError as e:
             raise StorageError(
@@ -632,6 +637,11 @@ class ConversationStore:
             out.append(self._summarize(self.conversations_dir / cid, cid))
         out.sort(key=lambda s: (s.last_used, s.id), reverse=True)
         return out
+
+    def summary(self, conv_id: str) -> ConversationSummary:
+        """One row of ``list`` (id or unambiguous prefix): what a confirmation shows."""
+        cid = self.resolve(conv_id)
+        return self._summarize(self.conversations_dir / cid, cid)
 
     def _summarize(self, path: Path, cid: str) -> ConversationSummary:
         linked = is_symlink(path)
