@@ -124,7 +124,8 @@ def test_a_data_dir_that_is_a_file_is_one_line(tmp_path, args):
 
 def test_list_and_export_never_print_terminal_escapes(data):
     cid = saved(data, title=HOSTILE)
-    for args in (["list"], ["list", "--json"], ["export", cid], ["export", cid, "--format", "json"]):
+    exports = (["export", cid], ["export", cid, "--format", "json"])
+    for args in (["list"], ["list", "--json"], *exports):
         out = kvchat(*args, "--data-dir", str(data))
         assert out.returncode == 0, out.stderr
         assert "\x1b" not in out.stdout and "\x07" not in out.stdout and "\x9b" not in out.stdout
