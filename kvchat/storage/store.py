@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -705,8 +706,8 @@ class ConversationStore:
                 ) from None
             return DeleteOutcome(cid, link_only=True)
         lock_path = path / LOCK_NAME
-        if is_symlink(lock_path):
-            _unlink_quietly(lock_path)  # a planted link: nobody can hold a lock through it
+        if _planted_lock(lock_path):
+            _unlink_quietly(lock_path)  # nobody can hold a lock through it: only its name goes
         lock = ConversationLock(lock_path, cid)
         lock.acquire()
         try:
@@ -807,6 +808,16 @@ class ConversationStore:
     def sweep_leftovers(self) -> int:
         """Public form of the sweep ``create`` does (for ``kvchat gc``): bytes freed."""
         return self._sweep()
+
+
+def _planted_lock(path: Path) -> bool:
+    """A lock file kvchat refuses to open (a link, a hard link, not a regular file): no
+    kvchat process can be holding it."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return not stat.S_ISREG(st.st_mode) or st.st_nlink != 1
 
 
 def _remove_tree(path: Path) -> int:

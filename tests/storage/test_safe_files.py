@@ -63,6 +63,8 @@ def test_lock_hard_link_is_refused_and_its_target_untouched(store, important):
     assert "hard links" in str(err.value)
     assert important.read_text() == "precious\n"
     assert stat.S_IMODE(important.stat().st_mode) == 0o644  # not even chmod-ed
+    store.delete(conv.id)  # the way out: the folder goes, the other name of the file stays
+    assert important.read_text() == "precious\n" and store.list() == []
 
 
 def test_manifest_link_is_refused_everywhere(store, tmp_path):
