@@ -311,39 +311,105 @@ def inspect(model: str, dtype: str, n_tokens: int, as_json: bool) -> None:
 @data_dir_option
 @click.option("--json", "as_json", is_flag=True)
 def list_conversations(data_dir: str | None, as_json: bool) -> None:
-    """Saved conversations: id, title, model, turns, tokens, bytes on disk, last use."""
-    from kvchat.engine.planner import human_bytes
+    """Saved conversations (id, title, model, turns, tokens, disk, last use) and spill files."""
+    from dataclasses import asdict
 
-    rows = _store({"data_dir": data_dir}).list()
+    from kvchat.engine.planner import human_bytes
+    from kvchat.paths import data_dir as resolve_data_dir
+    from kvchat.storage import ConversationStore
+    from kvchat.storage.spill import spill_folders, spill_root
+    from kvchat.storage.text import safe_terminal_text
+
+    root = resolve_data_dir(data_dir)
+    try:
+        rows = ConversationStore(root).list()
+    except KvchatError as exc:
+        _fail(exc)
+    spill = spill_folders(root)
+    spill_bytes = sum(f.nbytes for f in spill)
+    stale_bytes = sum(f.nbytes for f in spill if f.stale)
     if as_json:
-        click.echo(json.dumps([r.__dict__ for r in rows], indent=2, default=str))
+        doc = {
+            "conversations": [asdict(r) for r in rows],
+            "spill": {
+                "folder": str(spill_root(root)),
+                "bytes": spill_bytes,
+                "stale_bytes": stale_bytes,
+            },
+        }
+        click.echo(json.dumps(doc, indent=2, default=str))  # ASCII-only: no raw controls
         return
     if not rows:
         click.echo("no saved conversations")
-        return
-    click.echo(
-        f"{'id':<21} {'model':<16} {'turns':>5} {'tokens':>7} {'disk':>10}  last used            title"
-    )
-    for r in rows:
-        title = r.error and f"[{r.error}]" or r.title
+    else:
         click.echo(
-            f"{r.id:<21} {str(r.model)[:16]:<16} {r.turns:>5} {r.tokens:>7} "
+            f"{'id':<21} {'model':<16} {'turns':>5} {'tokens':>7} {'disk':>10}  last used            title"
+        )
+    for r in rows:
+        # Titles, model names and errors come from files anyone can edit: never raw escapes.
+        title = safe_terminal_text(r.error and f"[{r.error}]" or r.title, multiline=False)
+        model = safe_terminal_text(str(r.model), multiline=False)[:16]
+        click.echo(
+            f"{r.id:<21} {model:<16} {r.turns:>5} {r.tokens:>7} "
             f"{human_bytes(r.bytes_on_disk):>10}  {str(r.last_used)[:19]:<20} {title}"
         )
+    if spill_bytes:
+        line = f"spill files: {human_bytes(spill_bytes)} in {spill_root(root)}"
+        if stale_bytes:
+            line += (
+                f", {human_bytes(stale_bytes)} of it left by kvchat processes that are gone "
+                "(`kvchat gc` frees it)"
+            )
+        click.echo(line)
 
 
 @cli.command()
 @click.argument("conversation_id")
+@click.option(
+    "--yes", "-y", is_flag=True, help="Delete without asking (required for an id prefix)."
+)
 @data_dir_option
-def delete(conversation_id: str, data_dir: str | None) -> None:
-    """Delete a saved conversation and its residual files."""
+def delete(conversation_id: str, yes: bool, data_dir: str | None) -> None:
+    """Delete a saved conversation and its residual files (asks first on a terminal)."""
+    from kvchat.engine.planner import human_bytes
+    from kvchat.storage.text import safe_terminal_text
+
     store = _store({"data_dir": data_dir})
     try:
         full = store.resolve(conversation_id)
-        store.delete(full)
+        if not yes and full != conversation_id:
+            # A prefix once deleted "c-bitflip" for `delete c-bi`: it must be spelled out.
+            _fail(
+                KvchatError(
+                    f"{conversation_id!r} is only the start of the id {full}; "
+                    f"run `kvchat delete {full}`, or add --yes to delete it by prefix"
+                )
+            )
+        if not yes and sys.stdin.isatty():
+            row = store.summary(full)
+            what = safe_terminal_text(row.title or row.error or "untitled", multiline=False)
+            question = (
+                f"delete conversation {full} ({what[:60]}; {row.turns} turn(s), "
+                f"{human_bytes(row.bytes_on_disk)})?"
+            )
+            try:
+                confirmed = click.confirm(question, default=False, err=True)
+            except click.Abort:
+                confirmed = False
+            if not confirmed:
+                click.echo("kvchat: nothing deleted", err=True)
+                sys.exit(1)
+        outcome = store.delete(full)
     except KvchatError as exc:
         _fail(exc)
-    click.echo(f"deleted {full}")
+    if outcome.link_only:
+        click.echo(
+            f"removed the link {full} (kvchat never follows links: what it pointed to is untouched)"
+        )
+    elif outcome.leftover is not None:
+        click.echo(f"deleted {full} (some files remain in {outcome.leftover}; `kvchat gc` retries)")
+    else:
+        click.echo(f"deleted {full}")
 
 
 @cli.command()
@@ -351,11 +417,55 @@ def delete(conversation_id: str, data_dir: str | None) -> None:
 @click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md", show_default=True)
 @data_dir_option
 def export(conversation_id: str, fmt: str, data_dir: str | None) -> None:
-    """Print a conversation's messages as Markdown or JSON."""
+    """Print a conversation's messages as Markdown or JSON (control characters escaped)."""
     try:
         click.echo(_store({"data_dir": data_dir}).export(conversation_id, fmt))
     except KvchatError as exc:
         _fail(exc)
+
+
+@cli.command()
+@data_dir_option
+@click.option("--json", "as_json", is_flag=True)
+def gc(data_dir: str | None, as_json: bool) -> None:
+    """Free disk space: spill files of kvchat processes that are gone, and leftovers of
+    interrupted deletes. Never touches a running session or a saved conversation."""
+    from pathlib import Path
+
+    from kvchat.engine.planner import human_bytes
+    from kvchat.paths import data_dir as resolve_data_dir
+    from kvchat.storage import ConversationStore
+    from kvchat.storage.spill import spill_usage, sweep_stale_spill
+
+    root = resolve_data_dir(data_dir)
+    if Path(root).exists() and not Path(root).is_dir():
+        _fail(KvchatError(f"{root} is not a folder; pass --data-dir a kvchat data folder"))
+    try:
+        spill_freed = sweep_stale_spill(root)
+        leftovers_freed = ConversationStore(root).sweep_leftovers()
+    except KvchatError as exc:
+        _fail(exc)
+    in_use = spill_usage(root)
+    if as_json:
+        doc = {
+            "freed_bytes": spill_freed + leftovers_freed,
+            "spill_freed_bytes": spill_freed,
+            "leftovers_freed_bytes": leftovers_freed,
+            "spill_in_use_bytes": in_use,
+        }
+        click.echo(json.dumps(doc, indent=2))
+        return
+    if spill_freed or leftovers_freed:
+        parts = []
+        if spill_freed:
+            parts.append(f"{human_bytes(spill_freed)} of spill files of processes that are gone")
+        if leftovers_freed:
+            parts.append(f"{human_bytes(leftovers_freed)} left by interrupted deletes and creates")
+        click.echo(f"freed {human_bytes(spill_freed + leftovers_freed)}: {'; '.join(parts)}")
+    else:
+        click.echo("nothing to free")
+    if in_use:
+        click.echo(f"kept {human_bytes(in_use)} of spill files still in use")
 
 
 @cli.command()

@@ -97,7 +97,7 @@ class Running:
 def listing(root: Path) -> list[dict]:
     out = kvchat(root, "list", "--json")
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return json.loads(out.stdout)["conversations"]
 
 
 def exported(root: Path, conv_id: str) -> list[dict]:

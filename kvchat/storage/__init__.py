@@ -7,6 +7,7 @@ from kvchat.storage.manifest import (
     ConversationLockedError,
     ConversationNotFoundError,
     Manifest,
+    ManifestEditedError,
     ManifestError,
     ModelInfo,
     ModelMismatchError,
@@ -15,8 +16,14 @@ from kvchat.storage.manifest import (
     SegmentCorruptedError,
     SegmentInfo,
     Turn,
+    UnsafeFileError,
 )
-from kvchat.storage.store import Conversation, ConversationStore, ConversationSummary
+from kvchat.storage.store import (
+    Conversation,
+    ConversationStore,
+    ConversationSummary,
+    DeleteOutcome,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -26,7 +33,9 @@ __all__ = [
     "ConversationNotFoundError",
     "ConversationStore",
     "ConversationSummary",
+    "DeleteOutcome",
     "Manifest",
+    "ManifestEditedError",
     "ManifestError",
     "ModelInfo",
     "ModelMismatchError",
@@ -35,4 +44,5 @@ __all__ = [
     "SegmentCorruptedError",
     "SegmentInfo",
     "Turn",
+    "UnsafeFileError",
 ]

@@ -5,6 +5,9 @@ filesystem), flush and ``fsync`` it so its bytes are on disk before its name is,
 it over the target, then ``fsync`` the directory so the rename itself survives a power cut.
 Any failure, ``KeyboardInterrupt`` included, removes the temporary file and leaves the target
 untouched.
+
+The temporary file is created ``O_EXCL | O_NOFOLLOW`` with mode 0600 (private, whatever the
+umask), and ``rename`` replaces a symbolic link at the target rather than writing through it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
+
+from kvchat.storage.safe_fs import NOFOLLOW, PRIVATE_FILE_MODE
 
 TMP_MARK = ".tmp-"
 """Temporary files are named ``.<target name>.tmp-<pid>-<random>``; stray ones are debris."""
@@ -67,9 +72,12 @@ def write_atomic_stream(path: Path, chunks: Iterable[bytes | bytearray | memoryv
     path = Path(path)
     directory = path.parent
     tmp = directory / f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    # O_EXCL: always a fresh regular file, never an existing file or a link's target.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, PRIVATE_FILE_MODE)
     try:
         try:
+            os.fchmod(fd, PRIVATE_FILE_MODE)  # exactly 0600: the umask may have removed bits
             for chunk in chunks:
                 _write_all(fd, chunk)
             os.fsync(fd)

@@ -6,6 +6,9 @@ to an open file description, so two opens in the *same* process conflict too, wh
 want: one writer per conversation, full stop.
 
 The holder writes its pid into the file, only so the refusal message can name the process.
+Because it truncates the file to do so, the file is opened ``O_NOFOLLOW`` and must be a
+regular file with a single link: a ``lock`` planted as a link to another file is refused,
+never truncated.
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ import os
 from pathlib import Path
 
 from kvchat.errors import StorageError
-from kvchat.storage.manifest import ConversationLockedError, ConversationNotFoundError, one_line
+from kvchat.storage.manifest import (
+    ConversationLockedError,
+    ConversationNotFoundError,
+    UnsafeFileError,
+    one_line,
+)
+from kvchat.storage.safe_fs import UnsafePathError, open_regular
 
 
 class ConversationLock:
@@ -41,7 +50,12 @@ class ConversationLock:
         if self._fd is not None:
             return
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, single_link=True)
+        except UnsafePathError as e:
+            raise UnsafeFileError(
+                f"lock file {self.path} of conversation {self.conv_id} is refused "
+                f"({e.strerror}); remove it (a lock file holds no data) and try again"
+            ) from None
         except FileNotFoundError:
             raise ConversationNotFoundError(
                 f"conversation {self.conv_id} no longer exists; run `kvchat list`"
@@ -64,7 +78,7 @@ class ConversationLock:
             # The conversation may have been deleted between our open and our flock: then we
             # locked an unlinked file. Compare inodes to make sure we hold the live one.
             try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+                same = os.path.samestat(os.fstat(fd), os.lstat(self.path))
             except FileNotFoundError:
                 same = False
             if not same:

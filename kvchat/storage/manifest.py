@@ -5,6 +5,12 @@ does not name do not exist as far as kvchat is concerned (they are leftovers of 
 save), which is what makes a save atomic: the manifest is replaced in one ``rename`` after the
 new segment is safely on disk.
 
+Edits made outside kvchat are detected: the manifest carries a ``checksum`` over its content
+(canonical JSON, so re-indenting the file is not an edit), and the token counts of the turns
+must add up to the token ids. This catches hand edits and damage, not forgery: anyone who can
+write the file can recompute a sha256. A manifest without ``checksum`` (older kvchat) is
+accepted and gets one at its next save.
+
 The storage error classes live here too, because every other storage module already depends
 on this one and none of them may depend on ``store``. Every message is one line addressed to
 the user, names the conversation or file, and says what to do.
@@ -12,6 +18,7 @@ the user, names the conversation or file, and says what to do.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -25,6 +32,8 @@ FORMAT_VERSION = 1
 """Bump when a reader of the old format would misread the new one (not for new optional keys)."""
 
 TITLE_MAX_CHARS = 60
+
+CHECKSUM_KEY = "checksum"
 
 SEGMENT_NAME_RE = re.compile(r"^turn-(\d{4,})\.safetensors$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -45,6 +54,10 @@ class ManifestError(StorageError):
     """manifest.json is missing, not JSON, or does not have the expected structure."""
 
 
+class ManifestEditedError(ManifestError):
+    """manifest.json was changed outside kvchat: its checksum does not match its content."""
+
+
 class NewerFormatError(StorageError):
     """The conversation was written by a newer kvchat whose format this one cannot read."""
 
@@ -59,6 +72,11 @@ class SegmentCorruptedError(StorageError):
 
 class ConversationLockedError(StorageError):
     """Another process (or another handle in this one) has the conversation open."""
+
+
+class UnsafeFileError(StorageError):
+    """A conversation folder, or a file in it, is a symbolic link or not a regular file:
+    refused, never followed (a folder copied from someone else must not reach other files)."""
 
 
 class SaveFailedError(StorageError):
@@ -155,14 +173,16 @@ class Manifest:
         """Readable JSON: objects and lists of objects indented, but lists of plain values
         (``token_ids``, chunk boundaries) on one line: one int per line would bury the rest
         of the file under thousands of lines."""
-        return _pretty(self.to_dict()) + "\n"
+        data = self.to_dict()
+        data[CHECKSUM_KEY] = content_checksum(data)
+        return _pretty(data) + "\n"
 
     @classmethod
     def from_json(cls, text: str, *, source: str | Path, conv_id: str) -> Manifest:
         """Parse and validate. ``source`` and ``conv_id`` only feed the error messages."""
         try:
             data = json.loads(text)
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
             raise ManifestError(
                 f"manifest {source} of conversation {conv_id} is not valid JSON "
                 f"({one_line(e)}); restore it from a backup or run `kvchat delete {conv_id}`"
@@ -232,6 +252,22 @@ class Manifest:
                 raise bad(f"{where}n_tokens_total_after is out of order or past token_ids")
             turns.append(turn)
 
+        checksum = data.get(CHECKSUM_KEY)
+        try:
+            edited = checksum is not None and checksum != content_checksum(data)
+        except (RecursionError, ValueError):
+            raise bad("nested too deeply") from None
+        if edited:
+            raise ManifestEditedError(
+                f"manifest {source} of conversation {conv_id} was changed outside kvchat (its "
+                "checksum no longer matches its content); undo the edit or restore the file "
+                f"from a backup, or run `kvchat delete {conv_id}`"
+            )
+        # Every saved turn records the token count after it, so the ids must end there.
+        ends_at = turns[-1].n_tokens_total_after if turns else 0
+        if len(token_ids) != ends_at:
+            raise bad(f"token_ids holds {len(token_ids)} ids but the saved turns end at {ends_at}")
+
         for key in ("created", "updated"):
             try:
                 datetime.fromisoformat(get(data, key, str, ""))
@@ -255,6 +291,14 @@ class Manifest:
             turns=turns,
             engine_state=get(data, "engine_state", dict, "") if "engine_state" in data else {},
         )
+
+
+def content_checksum(data: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of a manifest's content (every key but the checksum), in canonical
+    JSON: key order, spacing and escapes do not change it, any value does."""
+    body = {k: v for k, v in data.items() if k != CHECKSUM_KEY}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
 
 def _pretty(value: Any, level: int = 0) -> str:

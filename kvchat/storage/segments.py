@@ -21,16 +21,16 @@ import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from typing import TYPE_CHECKING, Any
 
 from kvchat.storage.atomic import write_atomic, write_atomic_stream
 from kvchat.storage.manifest import SegmentCorruptedError, SegmentInfo, one_line
+from kvchat.storage.safe_fs import UnsafePathError, check_regular, open_regular, read_regular
+
+if TYPE_CHECKING:  # storage imports torch only inside the functions that handle tensors
+    import torch
 
 SEGMENT_METADATA = {"kvchat": "segment", "format": "1"}
 
@@ -44,6 +44,9 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, SegmentInfo]:
     Done in memory before anything touches the disk so the checksum is of exactly the bytes
     written, and so a bad argument fails before a save starts.
     """
+    import torch
+    from safetensors.torch import save as st_save
+
     prepared: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
@@ -56,15 +59,26 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, SegmentInfo]:
     return data, SegmentInfo(file="", sha256=hashlib.sha256(data).hexdigest(), nbytes=len(data))
 
 
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
+_DTYPE_NAMES = {
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "uint8": "U8",
 }
-_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+"""torch dtype name (``str(torch.float32)`` without ``torch.``) -> safetensors dtype code."""
+
+
+def _st_dtype(dtype: torch.dtype) -> str | None:
+    return _DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
+
+
+@cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {code: getattr(torch, name) for name, code in _DTYPE_NAMES.items()}
 
 
 @dataclass
@@ -81,7 +95,7 @@ class StreamedTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,8 @@ class TensorLocation:
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    import torch
+
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
@@ -113,11 +129,12 @@ def write_segment_stream(
     for name in order:
         tensor = tensors[name]
         dtype, shape = tensor.dtype, tuple(tensor.shape)
-        if dtype not in _ST_DTYPES:
+        code = _st_dtype(dtype)
+        if code is None:
             raise TypeError(f"tensor {name!r}: dtype {dtype} cannot go in a segment")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {
-            "dtype": _ST_DTYPES[dtype],
+            "dtype": code,
             "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -150,20 +167,47 @@ def write_segment_stream(
     return SegmentInfo(file=path.name, sha256=digest.hexdigest(), nbytes=total)
 
 
-def tensor_layout(path: Path) -> dict[str, TensorLocation]:
-    """Byte locations of every tensor in a safetensors file, from its header alone."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+def tensor_layout(path: Path, conv_id: str = "?") -> dict[str, TensorLocation]:
+    """Byte locations of every tensor in a safetensors file, from its header alone.
+
+    Checks the header as it reads it: a file that is not a well-formed segment raises
+    SegmentCorruptedError, never a parser's own exception.
+    """
+    try:
+        fd = open_regular(path, os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) != 8:
+                raise ValueError("shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > size - 8:
+                raise ValueError("header length runs past the end of the file")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, RecursionError) as e:
+        raise _corrupted(path, conv_id, f"unreadable header: {_reason(e)}") from None
+    if not isinstance(header, dict):
+        raise _corrupted(path, conv_id, "header is not an object")
     base = 8 + n
     out = {}
+    dtypes = _torch_dtypes()
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        begin, end = entry["data_offsets"]
-        out[name] = TensorLocation(
-            base + begin, end - begin, _TORCH_DTYPES[entry["dtype"]], tuple(entry["shape"])
-        )
+        try:
+            begin, end = entry["data_offsets"]
+            shape = tuple(entry["shape"])
+            dtype = dtypes[entry["dtype"]]
+            valid = (
+                all(type(x) is int and x >= 0 for x in (begin, end, *shape))
+                and begin <= end <= size - base
+                and end - begin == math.prod(shape) * dtype.itemsize
+            )
+        except (TypeError, ValueError, KeyError):
+            valid = False
+        if not valid:
+            raise _corrupted(path, conv_id, f"header entry {name!r} is malformed")
+        out[name] = TensorLocation(base + begin, end - begin, dtype, shape)
     return out
 
 
@@ -180,17 +224,24 @@ def _corrupted(path: Path, conv_id: str, why: str) -> SegmentCorruptedError:
     )
 
 
+def _reason(e: BaseException) -> str:
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+
+
 def _stat_key(path: Path) -> tuple[str, int, int, int, int]:
-    st = os.stat(path)
+    st = os.lstat(path)
     return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def check_size(path: Path, info: SegmentInfo, conv_id: str) -> int:
-    """Cheap first check (a stat): present and exactly as long as when it was written."""
+    """Cheap first check (an lstat): present, a regular file (not a link), and exactly as
+    long as when it was written."""
     try:
-        size = os.stat(path).st_size
+        size = check_regular(path).st_size
     except FileNotFoundError:
         raise _corrupted(path, conv_id, "file missing") from None
+    except UnsafePathError as e:
+        raise _corrupted(path, conv_id, e.strerror) from None
     except OSError as e:
         raise _corrupted(path, conv_id, f"cannot stat: {e.strerror}") from None
     if size != info.nbytes:
@@ -201,7 +252,7 @@ def check_size(path: Path, info: SegmentInfo, conv_id: str) -> int:
 def _sha256_file(path: Path) -> str:
     """Streaming sha256 so verifying a large segment does not hold it all in memory."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
@@ -246,16 +297,19 @@ def read_segment(path: Path, info: SegmentInfo, conv_id: str) -> dict[str, torch
     Reads the file once into memory, hashes those bytes and parses those same bytes: nothing
     can change between the check and the use.
     """
+    from safetensors import SafetensorError
+    from safetensors.torch import load as st_load
+
     check_size(path, info, conv_id)
     try:
-        data = path.read_bytes()
+        data = read_regular(path)
     except OSError as e:
         raise _corrupted(path, conv_id, f"unreadable: {e.strerror}") from None
     if hashlib.sha256(data).hexdigest() != info.sha256:
         raise _corrupted(path, conv_id, "checksum mismatch")
     try:
         tensors = st_load(data)
-    except (SafetensorError, RuntimeError, ValueError) as e:  # checksum matched: bad writer
+    except (SafetensorError, RuntimeError, ValueError, TypeError) as e:  # checksum ok: bad writer
         raise _corrupted(path, conv_id, f"not a safetensors file: {e}") from None
     with _verified_lock:
         _verified[_stat_key(path)] = info.sha256
@@ -264,6 +318,8 @@ def read_segment(path: Path, info: SegmentInfo, conv_id: str) -> dict[str, torch
 
 def iter_segment(path: Path, info: SegmentInfo, conv_id: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one tensor at a time, in the file's (sorted) name order."""
+    from safetensors import SafetensorError, safe_open
+
     verify(path, info, conv_id)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -284,6 +340,8 @@ def read_slice(
     Raises KeyError for an unknown tensor name and IndexError for rows outside the tensor:
     those are caller bugs, not damaged files.
     """
+    from safetensors import SafetensorError, safe_open
+
     verify(path, info, conv_id)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:

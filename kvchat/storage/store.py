@@ -12,6 +12,12 @@ Ctrl-C) the manifest on disk is either the old one or the new one, and every seg
 is complete. Segment files that no manifest names are debris from an interrupted save and are
 removed the next time the conversation is opened.
 
+Nothing in the store is followed through a symbolic link: a conversation folder, its
+``segments/``, manifest, segments or lock that is a link is refused (``list`` shows it as
+an error row, ``open``/``export`` refuse it, ``delete`` removes the link itself and nothing it
+points at). Folders are created 0700 and files 0600 whatever the umask: conversations are
+private text.
+
 Storage knows files, not models: tensors go in and come out by name; what they mean (residual
 checkpoints, chunk boundaries in ``engine_state``) is the engine's business.
 """
@@ -26,15 +32,14 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvchat.errors import StorageError
 from kvchat.storage import segments
@@ -50,11 +55,24 @@ from kvchat.storage.manifest import (
     ModelMismatchError,
     SaveFailedError,
     Turn,
+    UnsafeFileError,
     make_title,
     one_line,
     segment_file_name,
     utc_now,
 )
+from kvchat.storage.safe_fs import (
+    UnsafePathError,
+    check_real_dir,
+    ensure_private_dirs,
+    is_symlink,
+    make_private_dir,
+    read_regular,
+)
+from kvchat.storage.text import escape_json_for_terminal, safe_markdown_text, safe_terminal_text
+
+if TYPE_CHECKING:  # tensors pass through the store by name; torch is imported where used
+    import torch
 
 MANIFEST_NAME = "manifest.json"
 SEGMENTS_DIR = "segments"
@@ -78,6 +96,17 @@ class ConversationSummary:
     bytes_on_disk: int
     last_used: datetime
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class DeleteOutcome:
+    """What ``delete`` did. ``link_only``: the conversation entry was a symbolic link and
+    only the link was removed. ``leftover``: a hidden folder that could not be removed
+    completely (the conversation is gone from every listing; ``sweep_leftovers`` retries)."""
+
+    id: str
+    link_only: bool = False
+    leftover: Path | None = None
 
 
 def _json_copy(value: Any, what: str) -> Any:
@@ -126,15 +155,52 @@ def _unlink_quietly(path: Path) -> None:
         pass
 
 
+def _link_message(what: str, cid: str) -> str:
+    return (
+        f"{what} of conversation {cid} is a symbolic link, which kvchat never follows; "
+        f"run `kvchat delete {cid}` to remove it (only the link goes, not what it points at)"
+    )
+
+
+def _check_conversation_dir(path: Path, cid: str) -> None:
+    """The conversation folder and its ``segments/`` must be real folders, not links."""
+    for directory, what in ((path, "the folder"), (path / SEGMENTS_DIR, "the segments folder")):
+        try:
+            check_real_dir(directory)
+        except FileNotFoundError:
+            if directory == path:
+                raise ConversationNotFoundError(
+                    f"conversation {cid} no longer exists; run `kvchat list`"
+                ) from None
+            continue  # a missing segments/ folder only matters to a turn that needs it
+        except UnsafePathError as e:
+            if is_symlink(directory):
+                raise UnsafeFileError(_link_message(f"{what} {directory}", cid)) from None
+            raise UnsafeFileError(
+                f"{what} {directory} of conversation {cid} is refused ({e.strerror}); "
+                f"run `kvchat delete {cid}`"
+            ) from None
+        except OSError as e:
+            raise StorageError(
+                f"cannot read {what} {directory} of conversation {cid} "
+                f"({one_line(e.strerror)}); check its permissions"
+            ) from None
+
+
 def _read_manifest(path: Path, conv_id: str) -> Manifest:
     """Load and validate ``<path>/manifest.json``; every failure is a one-line StorageError."""
     file = path / MANIFEST_NAME
     try:
-        raw = file.read_bytes()
+        raw = read_regular(file)
     except FileNotFoundError:
         raise ManifestError(
             f"manifest {file} of conversation {conv_id} is missing; "
             f"restore it from a backup or run `kvchat delete {conv_id}`"
+        ) from None
+    except UnsafePathError as e:
+        raise ManifestError(
+            f"manifest {file} of conversation {conv_id} is refused ({e.strerror}); "
+            f"replace it with the real file or run `kvchat delete {conv_id}`"
         ) from None
     except OSError as e:
         raise ManifestError(
@@ -387,23 +453,38 @@ class ConversationStore:
     # -- lookup --------------------------------------------------------------------------
 
     def _ids(self) -> list[str]:
+        """Every conversation entry: real folders, and links (which are listed so that they
+        can be seen and deleted, never followed)."""
         try:
             entries = list(os.scandir(self.conversations_dir))
         except FileNotFoundError:
             return []
+        except NotADirectoryError:
+            if not self.root.is_dir():
+                raise StorageError(
+                    f"{self.root} is not a folder; pass --data-dir a folder "
+                    "(or a path that does not exist yet)"
+                ) from None
+            raise StorageError(
+                f"{self.conversations_dir} is not a folder, so {self.root} cannot hold "
+                "conversations; move that file away or pass another --data-dir"
+            ) from None
         except OSError as e:
             raise StorageError(
                 f"cannot read the conversation folder {self.conversations_dir} "
                 f"({one_line(e.strerror)}); check its permissions"
             ) from None
         return sorted(
-            e.name for e in entries if _ID_RE.match(e.name) and e.is_dir(follow_symlinks=False)
+            e.name
+            for e in entries
+            if _ID_RE.match(e.name) and (e.is_dir(follow_symlinks=False) or e.is_symlink())
         )
 
     def resolve(self, conv_id: str) -> str:
         """Full id for an id or an unambiguous prefix of one (so the CLI can show what a
         prefix means before, say, deleting it)."""
-        if conv_id and _ID_RE.match(conv_id) and (self.conversations_dir / conv_id).is_dir():
+        exact = self.conversations_dir / conv_id
+        if conv_id and _ID_RE.match(conv_id) and (exact.is_dir() or is_symlink(exact)):
             return conv_id
         matches = [i for i in self._ids() if conv_id and i.startswith(conv_id)]
         if len(matches) == 1:
@@ -435,7 +516,7 @@ class ConversationStore:
             raise TypeError("dtype must be a non-empty string such as 'bfloat16'")
         settings = _json_dict(settings, "settings")
         try:
-            self.conversations_dir.mkdir(parents=True, exist_ok=True)
+            ensure_private_dirs(self.conversations_dir)
         except OSError as e:
             raise StorageError(
                 f"cannot create the conversation folder {self.conversations_dir} "
@@ -445,14 +526,14 @@ class ConversationStore:
         for _ in range(50):
             conv_id = _new_id()
             final = self.conversations_dir / conv_id
-            if final.exists():
+            if os.path.lexists(final):
                 continue
             staging = self.conversations_dir / f"{_CREATING}{conv_id}-{os.getpid()}"
             lock = ConversationLock(staging / LOCK_NAME, conv_id)
             try:
-                staging.mkdir(mode=0o700)  # conversations are private text
+                make_private_dir(staging)  # conversations are private text
                 lock.acquire()
-                (staging / SEGMENTS_DIR).mkdir()
+                make_private_dir(staging / SEGMENTS_DIR)
                 now = utc_now()
                 manifest = Manifest(
                     id=conv_id,
@@ -498,6 +579,7 @@ class ConversationStore:
         it open, so a caller can refuse before spending seconds loading a model. ``open``
         still takes the lock for real; this check only answers early."""
         cid = self.resolve(conv_id)
+        _check_conversation_dir(self.conversations_dir / cid, cid)
         lock = ConversationLock(self.conversations_dir / cid / LOCK_NAME, cid)
         lock.acquire()
         lock.release()
@@ -515,9 +597,11 @@ class ConversationStore:
         """
         cid = self.resolve(conv_id)
         path = self.conversations_dir / cid
+        _check_conversation_dir(path, cid)
         lock = ConversationLock(path / LOCK_NAME, cid)
         lock.acquire()
         try:
+            _check_conversation_dir(path, cid)  # again, now that nobody else can change it
             manifest = _read_manifest(path, cid)
             saved = manifest.model
             wrong = []
@@ -526,11 +610,13 @@ class ConversationStore:
             if dtype is not None and dtype != saved.dtype:
                 wrong.append(f"dtype {dtype}")
             if wrong:
+                name = safe_terminal_text(saved.name, multiline=False)
+                dtype_saved = safe_terminal_text(saved.dtype, multiline=False)
                 raise ModelMismatchError(
-                    f"conversation {cid} was saved with model {saved.name} (dtype {saved.dtype}, "
+                    f"conversation {cid} was saved with model {name} (dtype {dtype_saved}, "
                     f"fingerprint {_short(saved.fingerprint)}) but {' and '.join(wrong)} "
-                    f"{'was' if len(wrong) == 1 else 'were'} requested; load {saved.name} "
-                    f"with dtype {saved.dtype} to resume it, or start a new conversation"
+                    f"{'was' if len(wrong) == 1 else 'were'} requested; load {name} "
+                    f"with dtype {dtype_saved} to resume it, or start a new conversation"
                 )
             _clean_debris(path, manifest)
         except BaseException:
@@ -553,13 +639,20 @@ class ConversationStore:
         out.sort(key=lambda s: (s.last_used, s.id), reverse=True)
         return out
 
+    def summary(self, conv_id: str) -> ConversationSummary:
+        """One row of ``list`` (id or unambiguous prefix): what a confirmation shows."""
+        cid = self.resolve(conv_id)
+        return self._summarize(self.conversations_dir / cid, cid)
+
     def _summarize(self, path: Path, cid: str) -> ConversationSummary:
-        size = _tree_bytes(path)
+        linked = is_symlink(path)
+        size = 0 if linked else _tree_bytes(path)
         try:
+            _check_conversation_dir(path, cid)
             manifest = _read_manifest(path, cid)
         except StorageError as e:
             try:
-                mtime = os.stat(path).st_mtime
+                mtime = os.lstat(path).st_mtime
             except OSError:
                 mtime = 0.0
             return ConversationSummary(
@@ -593,16 +686,29 @@ class ConversationStore:
             error=error,
         )
 
-    def delete(self, conv_id: str) -> None:
+    def delete(self, conv_id: str) -> DeleteOutcome:
         """Delete a conversation (id or unambiguous prefix), refusing while it is open.
 
         Takes the lock itself, so a conversation open anywhere is never pulled from under
         its user. The folder is first renamed to a hidden name, so the conversation vanishes
-        at once even if removing its files is slow or interrupted.
+        at once even if removing its files is slow or interrupted. An entry that is a
+        symbolic link loses only the link: what it points at is never touched.
         """
         cid = self.resolve(conv_id)
         path = self.conversations_dir / cid
-        lock = ConversationLock(path / LOCK_NAME, cid)
+        if is_symlink(path):
+            try:
+                os.unlink(path)
+            except OSError as e:
+                raise StorageError(
+                    f"cannot remove the link {path} ({one_line(e.strerror)}); "
+                    f"check the permissions of {self.conversations_dir}"
+                ) from None
+            return DeleteOutcome(cid, link_only=True)
+        lock_path = path / LOCK_NAME
+        if _planted_lock(lock_path):
+            _unlink_quietly(lock_path)  # nobody can hold a lock through it: only its name goes
+        lock = ConversationLock(lock_path, cid)
         lock.acquire()
         try:
             trash = self.conversations_dir / f"{_DELETING}{cid}-{secrets.token_hex(4)}"
@@ -613,10 +719,12 @@ class ConversationStore:
                     f"cannot delete conversation {cid} ({one_line(e.strerror)}); "
                     f"check the permissions of {self.conversations_dir}"
                 ) from None
-            shutil.rmtree(trash, ignore_errors=True)  # leftovers are swept by create()
+            # rmtree never follows links inside the tree: it removes the links themselves.
+            shutil.rmtree(trash, ignore_errors=True)
             segments.forget(path)
         finally:
             lock.release()
+        return DeleteOutcome(cid, leftover=trash if os.path.lexists(trash) else None)
 
     def export(self, conv_id: str, fmt: Literal["md", "json"] = "md") -> str:
         """The conversation's text as Markdown or JSON.
@@ -628,7 +736,9 @@ class ConversationStore:
         if fmt not in ("md", "json"):
             raise ValueError(f"export format must be 'md' or 'json', not {fmt!r}")
         cid = self.resolve(conv_id)
-        m = _read_manifest(self.conversations_dir / cid, cid)
+        path = self.conversations_dir / cid
+        _check_conversation_dir(path, cid)
+        m = _read_manifest(path, cid)
         if fmt == "json":
             doc = {
                 "id": m.id,
@@ -639,36 +749,46 @@ class ConversationStore:
                 "settings": m.settings,
                 "messages": m.messages,
             }
-            return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+            return escape_json_for_terminal(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
+
+        def one(text: str) -> str:
+            return safe_markdown_text(text, multiline=False)
+
         lines = [
-            f"# {m.title or 'Untitled conversation'}",
+            f"# {one(m.title) or 'Untitled conversation'}",
             "",
             f"- id: `{m.id}`",
-            f"- model: {m.model.name} ({m.model.dtype})",
-            f"- created: {m.created}",
-            f"- updated: {m.updated}",
+            f"- model: {one(m.model.name)} ({one(m.model.dtype)})",
+            f"- created: {one(m.created)}",
+            f"- updated: {one(m.updated)}",
         ]
         for msg in m.messages:
-            lines += ["", f"## {msg['role'].capitalize()}", "", msg["content"].rstrip("\n")]
+            role = one(msg["role"].capitalize())
+            lines += ["", f"## {role}", "", safe_markdown_text(msg["content"].rstrip("\n"))]
         return "\n".join(lines) + "\n"
 
     # -- housekeeping --------------------------------------------------------------------
 
-    def _sweep(self) -> None:
-        """Remove hidden folders left by an interrupted delete or create. A ``.creating-``
-        folder that is locked or younger than a minute may belong to a create running in
-        another process right now, and is kept."""
+    def _sweep(self) -> int:
+        """Remove hidden folders left by an interrupted delete or create; returns the bytes
+        freed. A ``.creating-`` folder that is locked or younger than a minute may belong to
+        a create running in another process right now, and is kept. Leftovers that are links
+        lose the link only."""
         try:
             names = os.listdir(self.conversations_dir)
         except OSError:
-            return
+            return 0
+        freed = 0
         for name in names:
             path = self.conversations_dir / name
-            if name.startswith(_DELETING):
-                shutil.rmtree(path, ignore_errors=True)
-            elif name.startswith(_CREATING):
+            if not name.startswith((_DELETING, _CREATING)):
+                continue
+            if is_symlink(path):
+                _unlink_quietly(path)
+                continue
+            if name.startswith(_CREATING):
                 try:
-                    if time.time() - os.stat(path).st_mtime < 60:
+                    if time.time() - os.lstat(path).st_mtime < 60:
                         continue
                 except OSError:
                     continue
@@ -678,13 +798,38 @@ class ConversationStore:
                 except StorageError:
                     continue
                 try:
-                    shutil.rmtree(path, ignore_errors=True)
+                    freed += _remove_tree(path)
                 finally:
                     lock.release()
+            else:
+                freed += _remove_tree(path)
+        return freed
+
+    def sweep_leftovers(self) -> int:
+        """Public form of the sweep ``create`` does (for ``kvchat gc``): bytes freed."""
+        return self._sweep()
+
+
+def _planted_lock(path: Path) -> bool:
+    """A lock file kvchat refuses to open (a link, a hard link, not a regular file): no
+    kvchat process can be holding it."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return not stat.S_ISREG(st.st_mode) or st.st_nlink != 1
+
+
+def _remove_tree(path: Path) -> int:
+    """rmtree, best effort; returns the bytes that are gone."""
+    before = _tree_bytes(path)
+    shutil.rmtree(path, ignore_errors=True)
+    return before - (_tree_bytes(path) if os.path.lexists(path) else 0)
 
 
 def _short(fingerprint: str) -> str:
-    return fingerprint if len(fingerprint) <= 16 else fingerprint[:12] + "…"
+    shown = fingerprint if len(fingerprint) <= 16 else fingerprint[:12] + "…"
+    return safe_terminal_text(shown, multiline=False)
 
 
 def _clean_debris(path: Path, manifest: Manifest) -> None:
