@@ -80,7 +80,7 @@ class ChatRequest:
 def parse_chat_request(raw: bytes) -> ChatRequest:
     """Validate a ``POST /v1/chat/completions`` body; RequestError says what is wrong."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise RequestError("the request body is not UTF-8 text") from None
     except json.JSONDecodeError as exc:

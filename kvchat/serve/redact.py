@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-_ABSOLUTE_PATH = re.compile(r"(?<![\w.~>])(?:~|/)(?:[\w.@+-]+/)*[\w.@+-]+/?")
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~>])(?:~/|/)(?:[\w.@+-]+/)*[\w.@+-]+/?")
 
 
 class Redactor:
