@@ -94,7 +94,8 @@ class ServerProcess:
             self.log.close()
 
     def read_log(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def rss_bytes(self) -> int:
