@@ -37,6 +37,7 @@ class ServerProcess:
         args = [sys.executable, "-m", "kvchat.cli", "serve", "--port", str(self.port)]
         args += ["--data-dir", str(self.data_dir), *self.extra]
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        env.pop("KVCHAT_API_KEY", None)
         if self.api_key:
             env["KVCHAT_API_KEY"] = self.api_key
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
