@@ -17,9 +17,10 @@ processes that loaded the model before the clock starts, as after a restart; the
 cache is warm for the saved files (they were just written). Per repeat the two are run
 back to back, the order alternating; ratio = re-prefill / kvchat, median over repeats.
 
-The first reply texts are printed too. They can differ: re-prefilling re-tokenizes the
-earlier replies, which need not give back the token ids the model generated, while kvchat
-continues from those very ids (its reply equals `kvchat run` on the same turns).
+The first reply texts are printed too. They can differ (they did in the run in README.md):
+re-prefilling feeds re-tokenized text in other chunks than the turns were fed in, so its
+state is not the one the conversation had; kvchat continues from that very state (its
+reply equals `kvchat run` on the same turns, tests/serve/test_restart.py).
 
 Run from the repository root: ``python benchmarks/bench_serve.py [--quick]``.
 """
@@ -145,8 +146,7 @@ def main() -> None:
     print(f"| kvchat serve, resumed from its files | {median['kvchat'] * 1000:.0f} ms |")
     print(f"| re-prefill of the text history | {median['re-prefill'] * 1000:.0f} ms |")
     print(f"| ratio (re-prefill / kvchat), median of {repeats} | {ratio:.1f}x |")
-    # They may differ: the text way re-tokenizes earlier replies, which need not give back
-    # the ids the model generated; kvchat continues from those very ids, as `kvchat run` does.
+    # They may differ: see the module docstring.
     print(f"first reply text: kvchat {texts['kvchat']!r}, re-prefill {texts['re-prefill']!r}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
