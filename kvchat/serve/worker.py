@@ -18,12 +18,12 @@ from typing import Any
 from kvchat.engine.conversation import open_session
 from kvchat.engine.session import ChatSession, LoadedModel
 from kvchat.engine.settings import CacheSettings, SamplingSettings
-from kvchat.errors import KvchatError, StorageError
+from kvchat.errors import CeilingTooSmallError, KvchatError, NeedsDiskTierError, StorageError
 from kvchat.serve.matcher import ConversationMatcher, message_key
 from kvchat.serve.protocol import DEFAULT_MAX_TOKENS, ChatRequest, RequestError
 from kvchat.serve.redact import Redactor
 from kvchat.serve.stops import StopScanner
-from kvchat.storage import ConversationLockedError, ConversationStore
+from kvchat.storage import ConversationLockedError, ConversationStore, ModelMismatchError
 
 MAX_QUEUED = 64
 
@@ -167,7 +167,9 @@ class EngineWorker:
             # Raised before anything is fed: the session is as it was, nothing is saved.
             if session.conversation is None:
                 self._close(session)
-            raise RequestError(self.redact(str(exc)), code="memory_ceiling_exceeded") from None
+            ceiling = isinstance(exc, (CeilingTooSmallError, NeedsDiskTierError))
+            code = "memory_ceiling_exceeded" if ceiling else None
+            raise RequestError(self.redact(str(exc)), code=code) from None
         tail = scanner.flush()
         if tail:
             job.emit("text", tail)
@@ -193,9 +195,8 @@ class EngineWorker:
             return active
         self._close_active()
         conversation_id = self.matcher.find(request.system, request.history)
-        if conversation_id is not None:
-            session = self._resume(conversation_id)
-        else:
+        session = self._resume(conversation_id) if conversation_id is not None else None
+        if session is None:
             session = open_session(
                 self.loaded,
                 data_dir=self.data_dir,
@@ -211,7 +212,9 @@ class EngineWorker:
             self._active = session
         return session
 
-    def _resume(self, conversation_id: str) -> ChatSession:
+    def _resume(self, conversation_id: str) -> ChatSession | None:
+        """The saved conversation, ready for its next turn; None when it was saved with
+        another dtype or model build (same name), so only its text can be used."""
         try:
             return open_session(
                 self.loaded,
@@ -219,6 +222,8 @@ class EngineWorker:
                 cache=self.cache,
                 conversation_id=conversation_id,
             )
+        except ModelMismatchError:
+            return None
         except ConversationLockedError:
             raise RequestError(
                 f"conversation {conversation_id} is open in another kvchat process; close it "
