@@ -496,6 +496,45 @@ def resume(ctx: click.Context, conversation_id: str, **opts: Any) -> None:
     run_app({**opts, "system": None, "conversation_id": conversation_id})
 
 
+@cli.command()
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on; anything but loopback needs --api-key.",
+)
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True)
+@click.option(
+    "--api-key",
+    envvar="KVCHAT_API_KEY",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' (or set KVCHAT_API_KEY).",
+)
+@model_options
+@data_dir_option
+def serve(**opts: Any) -> None:
+    """Serve an OpenAI-compatible API whose conversations continue from their saved files."""
+    from kvchat.paths import data_dir
+    from kvchat.serve.auth import check_bind
+
+    try:
+        check_bind(opts["host"], opts["api_key"])  # before spending seconds on the model
+        loaded = _load(opts)
+        from kvchat.serve.server import serve as run_server
+
+        run_server(
+            loaded,
+            cache=_cache_settings(opts),
+            data_dir=data_dir(opts["data_dir"]),
+            host=opts["host"],
+            port=opts["port"],
+            api_key=opts["api_key"],
+            say=lambda m: click.echo(f"kvchat: {m}", err=True),
+        )
+    except KvchatError as exc:
+        _fail(exc)
+
+
 def _lab_command(kind: str, help_text: str) -> None:
     from kvchat.lab.suites import SUITES
 
