@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,6 @@ from pathlib import Path
 import torch
 
 from kvchat.errors import StorageError
-
-SPILL_DIR_NAME = "spill"
 
 
 class RowFile:
@@ -148,11 +145,9 @@ class SpillArea:
 
     def _dir(self) -> Path:
         if self.path is None:
-            base = self.root / SPILL_DIR_NAME
-            base.mkdir(parents=True, exist_ok=True)
-            _sweep_stale(base)
-            self.path = base / f"{os.getpid()}-{secrets.token_hex(4)}"
-            self.path.mkdir()
+            from kvchat.storage.spill import create_spill_folder
+
+            self.path = create_spill_folder(self.root)
             # Closed sessions remove it; this covers an exit that skips the close (the UI
             # quitting mid-reply). A crash leaves it for the next session's sweep.
             atexit.register(self.close)
@@ -194,17 +189,3 @@ class SpillArea:
         if self.path is not None:
             shutil.rmtree(self.path, ignore_errors=True)
             self.path = None
-
-
-def _sweep_stale(base: Path) -> None:
-    """Remove spill directories of processes that no longer run (a crash leaves them)."""
-    for entry in base.iterdir():
-        pid_text = entry.name.split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            shutil.rmtree(entry, ignore_errors=True)
-        except PermissionError:
-            pass
