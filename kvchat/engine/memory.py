@@ -40,6 +40,23 @@ def _checkpoint_label(session: ChatSession) -> str | None:
     return settings.checkpoint
 
 
+def _forms_label(session: ChatSession) -> str | None:
+    forms = getattr(session, "forms", None)
+    if not forms:
+        return None
+    kinds = sorted(set(forms))
+    if len(kinds) == 1:
+        return kinds[0]
+    return ", ".join(f"{forms.count(k)} {k}" for k in kinds)
+
+
+def _plan_label(session: ChatSession) -> str:
+    if session.cache_settings.kind != "kvdirect":
+        return "standard cache"
+    plan = getattr(session, "plan", None)
+    return "all in memory" if plan is None else plan.describe()
+
+
 def snapshot(session: ChatSession) -> dict[str, Any]:
     """Everything the CLI memory line, ``--json`` and the UI gauge show."""
     cache = session.cache
@@ -78,6 +95,8 @@ def snapshot(session: ChatSession) -> dict[str, Any]:
         "ceiling_bytes": settings.max_mem,
         "disk_bytes": session.disk_bytes(),
         "disk_tier": bool(plan is not None and plan.disk_tier),
+        "plan": _plan_label(session),
+        "forms": _forms_label(session),
         "streamed_attention": bool(plan is not None and plan.stream_chunk is not None),
         "weights_bytes": session.loaded.weights_bytes,
         "rss_bytes": process_rss(),
@@ -111,5 +130,6 @@ def _disk_note(mem: dict[str, Any]) -> str:
     from kvchat.engine.planner import human_bytes
 
     if mem.get("disk_tier"):
-        return f" | disk tier: {human_bytes(mem['disk_bytes'])} on disk"
+        forms = f" ({mem['forms']})" if mem.get("forms") else ""
+        return f" | disk tier{forms}: {human_bytes(mem['disk_bytes'])} on disk"
     return f" | on disk: {human_bytes(mem['disk_bytes'])}"

@@ -148,6 +148,11 @@ class ChatSession:
         if self.conversation is not None:
             self.conversation.close()
 
+    def before_forward(self, n_new: int) -> None:
+        """Plan for ``n_new`` more tokens and meet the plan (what every forward call of a
+        session runs first; benchmarks that drive the model directly call it too)."""
+        self._before_forward(n_new)
+
     def _before_forward(self, n_new: int) -> None:
         if self.planner is None:
             if self.cache_settings.max_mem is not None:
