@@ -381,10 +381,15 @@ def _is_gated(repo_id: str) -> bool:
 
 def _gated_fix(repo_id: str) -> str:
     return (
-        f"it is gated: accept its licence on https://huggingface.co/{repo_id}, log in with "
-        f"`hf auth login` (older: `huggingface-cli login`), then `hf download {repo_id}` "
-        "(or pass a local directory or .gguf file)"
+        f"it is gated: accept its licence on https://huggingface.co/{repo_id}, run "
+        f"`hf auth login` (or `huggingface-cli login`), then `hf download {repo_id}`"
     )
+
+
+def _short_reason(exc: BaseException) -> str:
+    """The hub library's error, cut to its first sentence (they run to paragraphs)."""
+    text = _one_line(exc).split(". ")[0]
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def _resolved(path: Path, name: str, source: str, alias: Alias | None) -> ResolvedModel:
@@ -485,10 +490,9 @@ def _hf_download(repo_id: str, label: str, fix: str, say: Progress) -> Path:
                 f"{label} does not exist on the Hugging Face hub (or is private); check the "
                 "name with `kvchat models`, or pass a local directory or .gguf file"
             ) from None
-        reason = _one_line(exc)
-        reason = reason if len(reason) <= 120 else reason[:117] + "..."
+        reason = f" ({_short_reason(exc)})" if not _is_gated(repo_id) else ""
         raise ModelNotFoundError(
-            f"{label} is not found locally and the hub is unreachable ({reason}); {fix}"
+            f"{label} is not found locally and the hub is unreachable{reason}; {fix}"
         ) from None
     if not _is_model_dir(path):
         raise ModelNotFoundError(
