@@ -3,6 +3,10 @@ saved, a failed /model, 80 columns, singular counts, toasts clear of the message
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import pytest
 from textual.widgets._toast import ToastRack
 
@@ -143,3 +147,18 @@ async def test_one_token_reads_singular(make_app):
 
 def _gauge_text(app) -> str:
     return "\n".join(line.plain for line in app.gauge.render().renderables)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+async def test_termination_quits_cleanly_and_closes_the_session(make_app, signum):
+    app = make_app()
+    app.handle_signals = True  # as run_app does
+    closed: list[str] = []
+    app.backend.close = lambda: closed.append(threading.current_thread().name)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        os.kill(os.getpid(), signum)
+        await pilot.pause(0.3)
+    app.wait_for_engine(5)
+    assert app.return_code == 128 + signum
+    assert closed == ["kvchat-engine"]  # closed on the engine thread, after its last job
