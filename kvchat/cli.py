@@ -4,14 +4,22 @@
 (documented in README.md, relied on by tests and benchmarks); ``models`` and ``inspect``
 answer questions without loading weights. torch and transformers are imported inside the
 commands, so ``kvchat --help`` stays instant.
+
+Exit codes (the headless contract in README.md): 0 done; 1 an error, said in one line;
+2 a usage error (bad option or input), found before any model is loaded; 3 the replies were
+given but at least one turn could not be saved (the line says which, and why); 130
+interrupted by Ctrl-C; 128+N ended by signal N (SIGTERM 143, SIGHUP 129), after the normal
+cleanup (spill files removed, locks released).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -21,19 +29,106 @@ from kvchat.errors import KvchatError
 DEVICES = ["auto", "cpu", "cuda", "mps"]
 DTYPES = ["float32", "bfloat16", "float16", "auto"]
 
+EXIT_ERROR = 1
+EXIT_NOT_SAVED = 3
+EXIT_INTERRUPTED = 130
+# Below this no model can hold a conversation (token ids plus one layer's recompute scratch
+# for a handful of tokens); above it, a typo rather than a machine.
+MIN_MAX_MEM = 64 * 1024
+MAX_MAX_MEM = 2**50  # 1 PiB
+
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    from kvchat.engine.planner import parse_size
+    from kvchat.engine.planner import human_bytes, parse_size
 
     try:
-        return parse_size(value)
+        size = parse_size(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+    except OverflowError:  # "1e999GB": a float that is infinite
+        raise click.BadParameter(
+            f"cannot read size {value!r}; write it like 64MB, 512KiB or 1.5GB"
+        ) from None
+    if size is None:
+        return None
+    if size < MIN_MAX_MEM:
+        raise click.BadParameter(
+            f"{value!r} is {human_bytes(size)}, below the smallest ceiling kvchat can work in "
+            f"({human_bytes(MIN_MAX_MEM)}); give at least 64KiB, e.g. 8MB"
+        )
+    if size > MAX_MAX_MEM:
+        raise click.BadParameter(
+            f"{value!r} is {human_bytes(size)}, more than any machine holds (limit "
+            f"{human_bytes(MAX_MAX_MEM)}); leave --max-mem out for no ceiling"
+        )
+    return size
+
+
+def _temperature(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and (not math.isfinite(value) or value < 0):
+        raise click.BadParameter(
+            f"{value} is not a temperature; give 0 (greedy) or a positive number such as 0.7"
+        )
+    return value
+
+
+def _top_p(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise click.BadParameter(
+            f"{value} is outside (0, 1]; give a probability mass such as 0.9 (1 keeps every token)"
+        )
+    return value
 
 
 def _fail(exc: BaseException) -> None:
+    _end_stdout_line()
     click.echo(f"kvchat: error: {exc}", err=True)
-    sys.exit(1)
+    sys.exit(EXIT_ERROR)
+
+
+class _Stdout:
+    """Whether the reply streamed to stdout ended its line, so a note on stderr that shares
+    the terminal starts on a line of its own ("Paris.\nkvchat: saving as ...")."""
+
+    at_line_start = True
+
+
+def _stream_to_stdout(text: str) -> None:
+    if not text:
+        return
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    _Stdout.at_line_start = text.endswith("\n")
+
+
+def _end_stdout_line() -> None:
+    if not _Stdout.at_line_start:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        _Stdout.at_line_start = True
+
+
+def _note(message: str) -> None:
+    """One ``kvchat: ...`` line on stderr, never glued to a half-printed reply."""
+    _end_stdout_line()
+    click.echo(f"kvchat: {message}", err=True)
+
+
+@contextlib.contextmanager
+def _exit_on_termination() -> Iterator[None]:
+    """SIGTERM and SIGHUP (``timeout``, a closed terminal) become ``SystemExit(128+N)``, so
+    the ``finally`` blocks and atexit hooks run: spill files removed, locks released."""
+
+    def handle(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    wanted = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {sig: signal.signal(sig, handle) for sig in wanted}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def model_options(fn: Callable) -> Callable:
@@ -61,6 +156,17 @@ data_dir_option = click.option(
 )
 
 
+def _check_conversation(opts: dict[str, Any]) -> None:
+    """Resolve ``opts["conversation_id"]`` and refuse one that is missing or open elsewhere,
+    before any weights are loaded (exits with one line)."""
+    if not opts.get("conversation_id"):
+        return
+    try:
+        opts["conversation_id"] = _store(opts).check_not_open(opts["conversation_id"])
+    except KvchatError as exc:
+        _fail(exc)
+
+
 def _store(opts: dict[str, Any]):
     from kvchat.paths import data_dir
     from kvchat.storage import ConversationStore
@@ -72,7 +178,7 @@ def _load(opts: dict[str, Any], quiet: bool = False):
     from kvchat.engine.loader import load
     from kvchat.engine.models import DEFAULT_MODEL
 
-    say = (lambda _m: None) if quiet else (lambda m: click.echo(f"kvchat: {m}", err=True))
+    say = (lambda _m: None) if quiet else _note
     return load(
         opts["model"] or DEFAULT_MODEL,
         device=opts["device"],
@@ -98,6 +204,7 @@ def _cache_settings(opts: dict[str, Any]):
 @click.version_option(package_name="kvchat")
 @model_options
 @click.option("--system", default=None, help="System prompt.")
+@data_dir_option
 @click.pass_context
 def cli(ctx: click.Context, **opts: Any) -> None:
     """Local chat with a bounded KV-Direct cache. Without a command: the chat app."""
@@ -108,13 +215,18 @@ def cli(ctx: click.Context, **opts: Any) -> None:
 @cli.command()
 @model_options
 @click.option("--system", default=None, help="System prompt.")
+@data_dir_option
 def chat(**opts: Any) -> None:
     """Open the terminal chat app."""
-    try:
-        from kvchat.ui.app import run_app
-    except ImportError:
-        _fail(KvchatError("the chat app is not built yet; use `kvchat run --prompt ...`"))
-    run_app(opts)
+    _run_app(opts)
+
+
+def _run_app(opts: dict[str, Any]) -> None:
+    from kvchat.ui.app import run_app
+
+    code = run_app(opts)
+    if code:
+        sys.exit(code)
 
 
 class _CancelOnSigint:
@@ -142,18 +254,20 @@ class _CancelOnSigint:
 @click.option("--prompt", "prompts", multiple=True, help="A user turn; repeat for more turns.")
 @click.option(
     "--prompt-file",
-    type=click.File("r"),
+    type=click.File("rb"),
     default=None,
-    help="A user turn read from a file ('-' for stdin).",
+    help="A user turn read from a UTF-8 file ('-' for stdin).",
 )
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option(
-    "--temperature", type=float, default=None, help="Sample at this temperature (default: greedy)."
+    "--temperature",
+    type=float,
+    default=None,
+    callback=_temperature,
+    help="Sample at this temperature (default and 0: greedy).",
 )
-@click.option(
-    "--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True
-)
-@click.option("--seed", type=int, default=None)
+@click.option("--top-p", type=float, default=1.0, callback=_top_p, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per turn on stdout.")
 @click.option(
     "--conversation",
@@ -164,67 +278,142 @@ class _CancelOnSigint:
 @click.option("--no-save", is_flag=True, help="Do not save the conversation.")
 @data_dir_option
 def run(**opts: Any) -> None:
-    """Headless: answer each --prompt in turn, streaming, then print a memory line."""
+    """Headless: answer each --prompt in turn, streaming, then print a memory line.
+
+    Exit status: 0 done, 1 error, 2 usage error, 3 a turn could not be saved, 130 Ctrl-C,
+    143/129 SIGTERM/SIGHUP (see README, "The headless contract").
+    """
     from kvchat.engine.settings import SamplingSettings
 
-    prompts = list(opts["prompts"])
-    if opts["prompt_file"] is not None:
-        prompts.append(opts["prompt_file"].read())
-    if not prompts:
-        _fail(KvchatError("nothing to answer; pass --prompt TEXT or --prompt-file FILE"))
-    as_json = opts["as_json"]
+    prompts = _read_prompts(opts)
     sampling = SamplingSettings(
         temperature=opts["temperature"],
         top_p=opts["top_p"],
         seed=opts["seed"],
         max_new_tokens=opts["max_new_tokens"],
     )
-    try:
-        if opts["conversation_id"]:  # fail fast, before loading any weights
-            opts["conversation_id"] = _store(opts).check_not_open(opts["conversation_id"])
-        loaded = _load(opts, quiet=as_json)
-        from kvchat.engine.memory import format_memory_line
+    _check_conversation(opts)  # fail fast, before loading any weights
+    with _exit_on_termination():
+        session = _open_run_session(opts)
+        try:
+            code = _answer(session, prompts, sampling, opts["as_json"])
+        except KvchatError as exc:
+            _fail(exc)
+        finally:
+            session.close()
+    if code:
+        sys.exit(code)
 
-        say = (lambda _m: None) if as_json else (lambda m: click.echo(f"kvchat: {m}", err=True))
+
+def _read_prompts(opts: dict[str, Any]) -> list[str]:
+    """The turns to answer, refused (usage error) if empty or not UTF-8 text."""
+    prompts = list(opts["prompts"])
+    for prompt in prompts:
+        if not prompt.strip():
+            raise click.BadParameter("a prompt is empty; give some text", param_hint="'--prompt'")
+    source = opts.get("prompt_file")
+    if source is not None:
+        name = getattr(source, "name", "-")
+        try:
+            text = source.read().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise click.BadParameter(
+                f"{name} is not UTF-8 text (byte {exc.start}); convert it, e.g. with "
+                "`iconv -t utf-8`",
+                param_hint="'--prompt-file'",
+            ) from None
+        except OSError as exc:
+            raise click.BadParameter(
+                f"cannot read {name} ({exc.strerror or exc})", param_hint="'--prompt-file'"
+            ) from None
+        if not text.strip():
+            raise click.BadParameter(f"{name} is empty", param_hint="'--prompt-file'")
+        prompts.append(text)
+    if not prompts:
+        raise click.UsageError("nothing to answer; pass --prompt TEXT or --prompt-file FILE")
+    return prompts
+
+
+def _open_run_session(opts: dict[str, Any]) -> Any:
+    """Load the model and open the conversation; Ctrl-C here exits 130, errors exit 1."""
+    as_json = opts["as_json"]
+    try:
+        loaded = _load(opts, quiet=as_json)
         from kvchat.engine.conversation import open_session
 
-        session = open_session(
+        if not loaded.has_chat_template:
+            _note(
+                f"{loaded.name} is a base model (no chat template): plain completion, each "
+                "prompt is continued as written"
+            )
+        return open_session(
             loaded,
             data_dir=opts["data_dir"],
             cache=_cache_settings(opts),
             system=opts["system"],
             conversation_id=opts["conversation_id"],
             save=not opts["no_save"],
-            say=say,
+            say=(lambda _m: None) if as_json else _note,
         )
-        try:
-            for turn, prompt in enumerate(prompts, start=1):
-                with _CancelOnSigint() as sigint:
-                    on_text = None if as_json else _stream_to_stdout
-                    result = session.send(
-                        prompt, sampling, on_text=on_text, should_stop=lambda: sigint.cancelled
-                    )
-                if as_json:
-                    conversation_id = session.conversation.id if session.conversation else None
-                    click.echo(json.dumps(_turn_json(turn, prompt, result, conversation_id)))
-                else:
-                    if result.cancelled:
-                        click.echo(" [stopped]", nl=False)
-                    click.echo()
-                    click.echo(format_memory_line(result.memory), err=True)
-                if result.error:
-                    click.echo(f"kvchat: reply ended early: {result.error}", err=True)
-                # A Ctrl-C that landed after the reply (while saving) still means stop.
-                if result.cancelled or sigint.cancelled:
-                    session.close()
-                    sys.exit(130)
-        except KeyboardInterrupt:
-            click.echo(f"\nkvchat: interrupted; {_saved_note(session)}", err=True)
-            session.close()
-            sys.exit(130)
-        session.close()
+    except KeyboardInterrupt:
+        _note("interrupted before the first reply; nothing was saved")
+        sys.exit(EXIT_INTERRUPTED)
     except KvchatError as exc:
         _fail(exc)
+
+
+def _answer(session: Any, prompts: list[str], sampling: Any, as_json: bool) -> int:
+    """Answer each prompt in turn; returns the exit status."""
+    from kvchat.engine.memory import format_memory_line
+
+    unsaved: list[int] = []  # turns answered but not on disk (a later save retries them)
+    code = 0
+    for turn, prompt in enumerate(prompts, start=1):
+        try:
+            with _CancelOnSigint() as sigint:
+                result = session.send(
+                    prompt,
+                    sampling,
+                    on_text=None if as_json else _stream_to_stdout,
+                    should_stop=lambda: sigint.cancelled,
+                )
+        except KeyboardInterrupt:
+            _note(f"interrupted; {_saved_note(session)}")
+            return EXIT_INTERRUPTED
+        if as_json:
+            conversation_id = session.conversation.id if session.conversation else None
+            click.echo(json.dumps(_turn_json(turn, prompt, result, conversation_id)))
+        else:
+            if result.cancelled:
+                _stream_to_stdout(" [stopped]")
+            _end_stdout_line()
+            click.echo(format_memory_line(result.memory), err=True)
+        save_error = getattr(result, "save_error", None)
+        if save_error:
+            unsaved.append(turn)
+            _note(f"saving failed: {save_error}")
+        else:
+            unsaved = []  # a successful save writes every turn still pending
+            if result.error:
+                _note(f"reply ended early: {result.error}")
+        # A Ctrl-C that landed after the reply (while saving) still means stop.
+        if result.cancelled or sigint.cancelled:
+            code = EXIT_INTERRUPTED
+            break
+    if unsaved:
+        _note(
+            f"error: {_turns(unsaved)} not saved; the replies above are all there is of "
+            "them. Free disk space or fix the permissions of the data dir (or pass "
+            "--data-dir DIR), then run again"
+        )
+        return code or EXIT_NOT_SAVED
+    return code
+
+
+def _turns(numbers: list[int]) -> str:
+    if len(numbers) == 1:
+        return f"turn {numbers[0]} is"
+    return f"turns {numbers[0]}-{numbers[-1]} are"
 
 
 def _saved_note(session: Any) -> str:
@@ -238,11 +427,6 @@ def _saved_note(session: Any) -> str:
     )
 
 
-def _stream_to_stdout(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
-
-
 def _turn_json(turn: int, prompt: str, result: Any, conversation: str | None) -> dict[str, Any]:
     return {
         "conversation": conversation,
@@ -252,6 +436,7 @@ def _turn_json(turn: int, prompt: str, result: Any, conversation: str | None) ->
         "tokens": result.tokens,
         "finish_reason": result.finish_reason,
         "error": result.error,
+        "saved": conversation is not None and not getattr(result, "save_error", None),
         "prompt_tokens": result.prompt_tokens,
         "prefill_seconds": round(result.prefill_seconds, 4),
         "decode_seconds": round(result.decode_seconds, 4),
@@ -294,9 +479,13 @@ def models(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def inspect(model: str, dtype: str, n_tokens: int, as_json: bool) -> None:
     """Bytes per token per layer: K/V, residual checkpoint, standard-cache equivalent."""
-    from kvchat.engine.footprint import footprint_from_config, load_config
+    from kvchat.engine.footprint import dtype_itemsize, footprint_from_config, load_config
     from kvchat.engine.inspect_report import inspect_as_dict, render_inspect
 
+    try:
+        dtype_itemsize(dtype)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--dtype'") from None
     try:
         fp = footprint_from_config(load_config(model), dtype)
     except KvchatError as exc:
@@ -491,9 +680,9 @@ def resume(ctx: click.Context, conversation_id: str, **opts: Any) -> None:
             **opts,
         )
         return
-    from kvchat.ui.app import run_app
-
-    run_app({**opts, "system": None, "conversation_id": conversation_id})
+    app_opts = {**opts, "system": None, "conversation_id": conversation_id}
+    _check_conversation(app_opts)  # a bad id fails here, not after the model loads
+    _run_app(app_opts)
 
 
 @cli.command()

@@ -27,3 +27,7 @@ class NeedsDiskTierError(KvchatError):
 
 class StorageError(KvchatError):
     """A conversation file is unreadable, corrupted, locked or from an incompatible setup."""
+
+
+class ContextTooLongError(KvchatError):
+    """The conversation would pass the model's context length (max_position_embeddings)."""

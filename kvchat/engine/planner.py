@@ -63,11 +63,15 @@ def parse_size(text: str | int | None) -> int | None:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    """``1536`` -> ``"1.5 KiB"``; binary units up to PiB, then whole PiB in thousands."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    for unit in units:
+        if abs(n) < 1024 or unit == units[-1]:
+            break
         n /= 1024
-    return f"{n:.1f} GiB"
+    if unit == "B":
+        return f"{n:.0f} B"
+    return f"{n:,.0f} {unit}" if abs(n) >= 10_000 else f"{n:.1f} {unit}"
 
 
 def choose_forms(fp: ModelFootprint, checkpoint: str, costs: Any = None) -> list[str]:

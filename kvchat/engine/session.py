@@ -32,6 +32,7 @@ class TurnResult:
     decode_seconds: float
     fell_back_to_full_prefill: bool = False
     error: str | None = None  # why the reply ended early (e.g. the ceiling was reached)
+    save_error: str | None = None  # why the turn is not on disk (a later save retries it)
 
     @property
     def cancelled(self) -> bool:
@@ -197,6 +198,27 @@ class ChatSession:
                 "or raise --max-mem"
             )
 
+    def _fit_context(self, n_tokens: int, sampling: SamplingSettings) -> SamplingSettings:
+        """Refuse a conversation longer than the model's positions (past them a model says
+        garbage); let the reply use only the positions left."""
+        import dataclasses
+
+        from kvchat.errors import ContextTooLongError
+
+        limit = getattr(self.loaded.model.config, "max_position_embeddings", None)
+        if not isinstance(limit, int) or limit <= 0:
+            return sampling
+        if n_tokens >= limit:
+            raise ContextTooLongError(
+                f"the conversation would be {n_tokens:,} tokens, but {self.loaded.name} "
+                f"handles at most {limit:,} (max_position_embeddings); shorten the prompt "
+                "or start a new conversation"
+            )
+        room = limit - n_tokens
+        if sampling.max_new_tokens > room:
+            sampling = dataclasses.replace(sampling, max_new_tokens=room)
+        return sampling
+
     # -- prompt rendering ----------------------------------------------------------------
     def _conversation(self) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -206,11 +228,18 @@ class ChatSession:
         tok = self.loaded.tokenizer
         if self.loaded.has_chat_template:
             return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        parts = []
+        # A base model continues text: the prompt as written, no "User:/Assistant:" wrapper
+        # (which a base model imitates). Later turns continue the text on a new line.
+        bos = tok.bos_token if getattr(tok, "add_bos_token", False) and tok.bos_token else ""
+        text = ""
         for m in messages:
-            label = {"system": "System", "user": "User", "assistant": "Assistant"}[m["role"]]
-            parts.append(f"{label}: {m['content']}\n")
-        return "".join(parts) + "Assistant:"
+            if m["role"] == "system":
+                text += m["content"] + "\n\n"
+            elif m["role"] == "user":
+                text += ("\n" if text and not text.endswith("\n") else "") + m["content"]
+            else:
+                text += " " + m["content"] if m["content"] else ""
+        return bos + text
 
     def _tokenize(self, text: str) -> list[int]:
         return self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -268,6 +297,7 @@ class ChatSession:
             new_ids = self._tokenize(full)
         to_feed = (self.token_ids + new_ids)[self.cache.get_seq_length() :]
         try:
+            sampling = self._fit_context(len(self.token_ids) + len(new_ids), sampling)
             self._before_forward(len(to_feed))  # refuse a prompt that cannot fit, feed nothing
             prefill_chunk = self._prefill_chunk(len(to_feed) + sampling.max_new_tokens)
         except KvchatError:
@@ -337,6 +367,7 @@ class ChatSession:
         self._unsaved_messages += self.messages[-2:]
         self._unsaved_ids += new_ids + reply_ids
         error = outcome.error
+        save_error = None
         if self.conversation is not None or self._create_conversation is not None:
             save_error = self.save()
             error = save_error or error
@@ -350,6 +381,7 @@ class ChatSession:
             decode_seconds=outcome.decode_seconds,
             fell_back_to_full_prefill=fell_back,
             error=error,
+            save_error=save_error,
         )
 
     # -- persistence ---------------------------------------------------------------------

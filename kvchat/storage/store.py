@@ -586,14 +586,21 @@ class ConversationStore:
         return cid
 
     def open(
-        self, conv_id: str, *, fingerprint: str | None = None, dtype: str | None = None
+        self,
+        conv_id: str,
+        *,
+        fingerprint: str | None = None,
+        dtype: str | None = None,
+        model_name: str | None = None,
+        weights: str | None = None,
     ) -> Conversation:
         """Lock and load a conversation by id or unambiguous id prefix.
 
         With ``fingerprint``/``dtype`` given, refuses a conversation saved with another model
-        or dtype: its tensors would be silently wrong for this one. Also removes debris of an
-        interrupted save (unreferenced segments, temporary files), which is safe only now that
-        we hold the lock.
+        or dtype: its tensors would be silently wrong for this one (``model_name`` and
+        ``weights``, the loaded side, only make the refusal name both sides). Also removes
+        debris of an interrupted save (unreferenced segments, temporary files), which is safe
+        only now that we hold the lock.
         """
         cid = self.resolve(conv_id)
         path = self.conversations_dir / cid
@@ -604,19 +611,18 @@ class ConversationStore:
             _check_conversation_dir(path, cid)  # again, now that nobody else can change it
             manifest = _read_manifest(path, cid)
             saved = manifest.model
-            wrong = []
-            if fingerprint is not None and fingerprint != saved.fingerprint:
-                wrong.append(f"fingerprint {_short(fingerprint)}")
-            if dtype is not None and dtype != saved.dtype:
-                wrong.append(f"dtype {dtype}")
-            if wrong:
-                name = safe_terminal_text(saved.name, multiline=False)
-                dtype_saved = safe_terminal_text(saved.dtype, multiline=False)
+            wrong_fp = fingerprint is not None and fingerprint != saved.fingerprint
+            wrong_dtype = dtype is not None and dtype != saved.dtype
+            if wrong_fp or wrong_dtype:
                 raise ModelMismatchError(
-                    f"conversation {cid} was saved with model {name} (dtype {dtype_saved}, "
-                    f"fingerprint {_short(saved.fingerprint)}) but {' and '.join(wrong)} "
-                    f"{'was' if len(wrong) == 1 else 'were'} requested; load {name} "
-                    f"with dtype {dtype_saved} to resume it, or start a new conversation"
+                    _mismatch_message(
+                        cid,
+                        manifest,
+                        model_name=model_name,
+                        fingerprint=fingerprint or saved.fingerprint,
+                        dtype=dtype or saved.dtype,
+                        weights=weights,
+                    )
                 )
             _clean_debris(path, manifest)
         except BaseException:
@@ -825,6 +831,47 @@ def _remove_tree(path: Path) -> int:
     before = _tree_bytes(path)
     shutil.rmtree(path, ignore_errors=True)
     return before - (_tree_bytes(path) if os.path.lexists(path) else 0)
+
+
+def _mismatch_message(
+    cid: str,
+    manifest: Manifest,
+    *,
+    model_name: str | None,
+    fingerprint: str,
+    dtype: str,
+    weights: str | None,
+) -> str:
+    """Both sides of a refused resume, and what would resume it."""
+    saved = manifest.model
+    saved_weights = manifest.settings.get("weights")
+    if saved_weights is not None:
+        saved_weights = safe_terminal_text(str(saved_weights), multiline=False)
+    loaded_name = model_name or "the requested model"
+
+    def side(name: str, dt: str, w: str | None, fp: str) -> str:
+        w_text = f", weights {w}" if w else ""
+        return f"model {name} (dtype {dt}{w_text}, fingerprint {_short(fp)})"
+
+    if fingerprint == saved.fingerprint:
+        differs = "the dtype differs"
+    elif saved.name == model_name and saved_weights and weights and saved_weights != weights:
+        differs = "same model, other weight quantization"
+    elif saved.name == model_name:
+        differs = "same name, but its files differ from the ones saved with (changed or replaced)"
+    else:
+        differs = "another model"
+    saved_name = safe_terminal_text(saved.name, multiline=False)
+    saved_dtype = safe_terminal_text(saved.dtype, multiline=False)
+    fix = f"--model {saved_name} --dtype {saved_dtype}"
+    if saved_weights:
+        fix += f" --weights {saved_weights}"
+    was = side(saved_name, saved_dtype, saved_weights, saved.fingerprint)
+    return (
+        f"conversation {cid} was saved with {was} "
+        f"but the loaded one is {side(loaded_name, dtype, weights, fingerprint)}: {differs}; "
+        f"resume it with {fix} (the same model files), or start a new conversation"
+    )
 
 
 def _short(fingerprint: str) -> str:

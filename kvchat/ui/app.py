@@ -9,7 +9,9 @@ one-line wording, never a traceback. The app talks to the engine only through a
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -26,7 +28,7 @@ from kvchat.errors import KvchatError
 from kvchat.ui import commands
 from kvchat.ui.backend import Backend, ModelView
 from kvchat.ui.engine_thread import EngineThread
-from kvchat.ui.format import fmt_bytes
+from kvchat.ui.format import count, fmt_bytes
 from kvchat.ui.messages import (
     ConversationStarted,
     EngineFailed,
@@ -49,6 +51,8 @@ from kvchat.ui.widgets.prompt_input import PromptInput
 SIDE_PANEL_MIN_WIDTH = 120  # columns from which the comparison panel sits beside the chat
 MEMORY_INTERVAL = 0.2  # seconds between engine memory snapshots while a reply streams
 RSS_INTERVAL = 0.25  # seconds between process RSS readings while the engine works
+CLOSE_TIMEOUT = 5.0  # seconds to wait at exit for the engine to close the session
+LOAD_PROGRESS_W = 22  # columns of the load progress bar beside the status line
 FAILURE_TITLES = {"send": "no reply", "resume": "cannot resume"}
 WELCOME = (
     "Ask anything. The gauge below compares the conversation state kvchat keeps in memory "
@@ -88,6 +92,8 @@ class KvchatApp(App[None]):
         self._reply: MessageView | None = None
         self._engine = EngineThread()
         self._load_note = ""
+        self.unsaved_turns: list[int] = []  # answered but not on disk (the next save retries)
+        self.handle_signals = False  # run_app sets it: SIGTERM/SIGHUP quit cleanly
 
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -97,6 +103,8 @@ class KvchatApp(App[None]):
         self.prompt = PromptInput(id="prompt")
         self.side_panel = ComparisonPanel(id="side-panel")
         self.status_text = Static(id="status-text", markup=False)
+        self.save_notice = Static(id="save-notice", markup=False)
+        self.save_notice.display = False
         self.load_progress = ProgressBar(id="load-progress", show_eta=False, show_percentage=False)
         with Horizontal(id="status"):
             yield self.status_text
@@ -104,12 +112,15 @@ class KvchatApp(App[None]):
         with Horizontal(id="body"):
             with Vertical(id="chat-column"):
                 yield self.chat_log
+                yield self.save_notice
                 yield self.gauge
                 yield self.prompt
             yield self.side_panel
         yield Footer(compact=True)
 
     async def on_mount(self) -> None:
+        if self.handle_signals:
+            self._quit_on_signals()
         self._fit_side_panel(self.size.width)
         await self.chat_log.add("note", WELCOME)
         self._show_status()
@@ -119,26 +130,60 @@ class KvchatApp(App[None]):
 
     def on_resize(self, event: events.Resize) -> None:
         self._fit_side_panel(event.size.width)
+        self._show_status()
+
+    def _quit_on_signals(self) -> None:
+        """SIGTERM and SIGHUP (a closed terminal) quit like ctrl+q, so the session is closed
+        (spill files removed, the lock released); the exit status is 128 + the signal."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is None:
+                continue
+            try:
+                loop.add_signal_handler(sig, self._terminated, int(sig))
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread, or a platform without them
+
+    def _terminated(self, signum: int) -> None:
+        self._stop.set()
+        self.exit(return_code=128 + signum)
 
     def _fit_side_panel(self, width: int) -> None:
         self.side_panel.display = width >= SIDE_PANEL_MIN_WIDTH
 
     # -- status line -----------------------------------------------------------------------
     def _show_status(self) -> None:
+        if not self.is_mounted:
+            return
+        loading = self.phase == "loading"
+        width = self.size.width - (LOAD_PROGRESS_W if loading else 0)
+        self.status_text.update(self._status_line(width))
+        self.load_progress.display = loading
+
+    def _status_line(self, width: int) -> str:
+        """The status line, shortened (least useful parts first) until it fits ``width``."""
         launch = self.launch
         ceiling = f"max-mem {fmt_bytes(launch.max_mem)}" if launch.max_mem else "no ceiling"
         if self.phase == "loading":
             text = f"loading… {self._load_note}" if self._load_note else f"loading {launch.model}…"
-        elif self.phase == "failed":
-            text = f"not loaded: {launch.model} · /model NAME tries another"
-        else:
-            m = self.model
-            state = "● replying (esc stops)" if self.busy else "ready"
-            where = f" · {m.device} {m.dtype}" if m and m.dtype else ""
-            name = m.name if m else launch.model
-            text = f"{state} │ {name}{where} · {launch.cache_kind} · {ceiling}"
-        self.status_text.update(f" kvchat · {text}")
-        self.load_progress.display = self.phase == "loading"
+            return f" kvchat · {text}"
+        if self.phase == "failed":
+            return f" kvchat · not loaded: {launch.model} · /model NAME tries another"
+        m = self.model
+        name = m.name if m else launch.model
+        where = f"{m.device} {m.dtype}" if m and m.dtype else ""
+        state = "● replying" if self.busy else "ready"
+        long_state = "● replying (esc stops)" if self.busy else "ready"
+        kind = launch.cache_kind
+        candidates = [
+            ["kvchat", f"{long_state} │ {name}", where, kind, ceiling],
+            [f"{long_state} │ {name}", where, kind, ceiling],
+            [f"{state} │ {name}", where, kind, ceiling],
+            [f"{state} │ {name}", where, ceiling],
+            [f"{state} │ {name}", ceiling],
+        ]
+        lines = [" " + " · ".join(p for p in parts if p) for parts in candidates]
+        return next((line for line in lines if len(line) <= width), lines[-1])
 
     def _set_busy(self, busy: bool) -> None:
         self.busy = busy
@@ -175,6 +220,7 @@ class KvchatApp(App[None]):
         self.model = message.model
         self.phase = "ready"
         self.load_error = None
+        self._set_unsaved([])
         self.gauge.weights = message.model.weights_bytes
         self._show_status()
         if self.launch.conversation_id:
@@ -278,22 +324,44 @@ class KvchatApp(App[None]):
     async def on_reply_done(self, message: ReplyDone) -> None:
         turn = message.turn
         if self._reply is not None:
-            notes = [f"{turn.tokens} tokens", f"{turn.tokens_per_second:.1f} tok/s"]
+            notes = [count(turn.tokens, "token"), f"{turn.tokens_per_second:.1f} tok/s"]
             if FINISH_NOTES.get(turn.finish_reason):
                 notes.append(FINISH_NOTES[turn.finish_reason])
+            if turn.save_error:
+                notes.append("not saved")
             await self._reply.finish(turn.reply, " · ".join(notes))
         self._reply = None
         self.turn_memory.append(turn.memory)
+        if turn.save_error:
+            self._set_unsaved([*self.unsaved_turns, len(self.turn_memory)], turn.save_error)
+        else:
+            self._set_unsaved([])  # a save writes every turn still pending
         self.live_memory = None
         self.gauge.show(turn.memory)
         self._set_busy(False)
         self._refresh_panels()
+
+    def _set_unsaved(self, turns: list[int], reason: str = "") -> None:
+        """Show (until a save succeeds) which turns are only on screen, why, and what to do."""
+        self.unsaved_turns = turns
+        self.save_notice.display = bool(turns)
+        if not turns:
+            self.save_notice.update("")
+            return
+        which = f"turn {turns[0]} is" if len(turns) == 1 else f"turns {turns[0]}-{turns[-1]} are"
+        it = "it" if len(turns) == 1 else "them"
+        # The store's reason already names its fix (free space, permissions, --data-dir).
+        self.save_notice.update(
+            f"⚠ {which} not saved: {reason}. Once that is fixed your next message saves {it}; "
+            f"quitting now loses {it}."
+        )
 
     def on_engine_failed(self, message: EngineFailed) -> None:
         if message.what == "load":
             self.phase = "failed"
             self.load_error = message.message
             self.model = None
+            self.gauge.clear()
             self._show_status()
             self.push_screen(
                 ErrorScreen("the model could not be loaded", message.message), self._after_error
@@ -430,6 +498,7 @@ class KvchatApp(App[None]):
         await self.chat_log.clear()
         resumed = message.resumed
         self.live_memory = None
+        self._set_unsaved([])
         if resumed is None:
             self.settings = ChatSettings(system=self.launch.system)
             self.turn_memory = []
@@ -459,6 +528,8 @@ class KvchatApp(App[None]):
             self.model = None
             self.turn_memory = []
             self.live_memory = None
+            self.gauge.clear()  # the old model's figures are not the new one's
+            self._set_unsaved([])
             self.launch.model = spec
             self._refresh_panels()
             self._load(spec)
@@ -508,8 +579,19 @@ class KvchatApp(App[None]):
         self.exit()
 
     def on_unmount(self) -> None:
-        self._stop.set()
+        self._stop.set()  # a streaming reply ends at the next token, then the session closes
+        self._engine.submit(self._close_backend)
         self._engine.shutdown()
+
+    def _close_backend(self) -> None:
+        try:
+            self.backend.close()
+        except Exception:  # quitting anyway; atexit still removes spill files
+            pass
+
+    def wait_for_engine(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """After the app exits: let the engine thread close the session (bounded wait)."""
+        self._engine.join(timeout)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -517,8 +599,17 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def run_app(opts: dict[str, Any]) -> None:
-    """Entry point of ``kvchat`` / ``kvchat chat``: ``opts`` are the click options."""
+def run_app(opts: dict[str, Any]) -> int:
+    """Entry point of ``kvchat`` / ``kvchat chat``: ``opts`` are the click options. Returns
+    the exit status: 0, 130 after Ctrl-C, 128+N after signal N."""
     from kvchat.ui.engine_backend import EngineBackend
 
-    KvchatApp(EngineBackend(opts)).run()
+    app = KvchatApp(EngineBackend(opts))
+    app.handle_signals = True
+    try:
+        app.run()
+    except KeyboardInterrupt:  # before the terminal is in raw mode (Ctrl-C is a key after)
+        app.wait_for_engine()
+        return 130
+    app.wait_for_engine()
+    return app.return_code or 0

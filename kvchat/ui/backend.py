@@ -43,6 +43,7 @@ class TurnView:
     memory: MemorySnapshot
     tokens: int = 0
     tokens_per_second: float = 0.0
+    save_error: str | None = None  # why this turn (and any unsaved before it) is not on disk
 
     @property
     def cancelled(self) -> bool:

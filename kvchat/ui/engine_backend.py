@@ -104,6 +104,7 @@ class EngineBackend:
             memory=result.memory,
             tokens=len(result.tokens),
             tokens_per_second=result.decode_tokens_per_second,
+            save_error=result.save_error,
         )
 
     def memory(self) -> MemorySnapshot:

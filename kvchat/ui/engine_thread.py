@@ -38,6 +38,11 @@ class EngineThread:
         if self._thread.is_alive():
             self._jobs.put(None)
 
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the queued jobs (a shutdown's last ones)."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()

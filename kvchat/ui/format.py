@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from kvchat.engine.planner import human_bytes
 
-__all__ = ["bar", "fmt_bytes", "fmt_ratio", "sparkline"]
+__all__ = ["bar", "count", "fmt_bytes", "fmt_ratio", "sparkline"]
 
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 _SPARKS = "▁▂▃▄▅▆▇█"
@@ -21,6 +21,11 @@ _SPARKS = "▁▂▃▄▅▆▇█"
 def fmt_bytes(n: float | None) -> str:
     """``human_bytes`` (the CLI's units), with a dash for unknown."""
     return "—" if n is None else human_bytes(n)
+
+
+def count(n: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``, ``0 turns`` (nouns here take a plain -s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def fmt_ratio(num: float, den: float) -> str:

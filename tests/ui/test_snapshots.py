@@ -51,3 +51,14 @@ def test_comparison_panel(snap_compare, size):
         await pilot.pause()
 
     assert snap_compare(app_for_snapshot(), terminal_size=size, run_before=run_before)
+
+
+def test_not_saved_notice_at_80x24(snap_compare):
+    """A turn the store could not save: the notice sits above the gauge, clear of the box."""
+    disk_full = "saving turn 1 failed (No space left on device); free some disk space and try again"
+
+    async def run_before(pilot) -> None:
+        await _chat(pilot, 1)
+
+    app = KvchatApp(FakeBackend(reply=MARKDOWN_REPLY, save_error=disk_full))
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)

@@ -14,7 +14,7 @@ from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
 from kvchat.errors import KvchatError
-from kvchat.ui.format import fmt_bytes
+from kvchat.ui.format import count, fmt_bytes
 
 
 def describe(row: dict[str, Any]) -> Text:
@@ -24,7 +24,8 @@ def describe(row: dict[str, Any]) -> Text:
     text.append(row.get("title") or "Untitled", style="bold")
     text.append(f"  {row['id']}", style="dim")
     text.append(
-        f"\n{row.get('model') or '?'} · {row.get('turns', 0)} turns · {row.get('tokens', 0)} tok"
+        f"\n{row.get('model') or '?'} · {count(row.get('turns', 0), 'turn')} · "
+        f"{count(row.get('tokens', 0), 'token')}"
         f" · {fmt_bytes(row.get('bytes_on_disk', 0))} · {when}",
         style="dim",
     )

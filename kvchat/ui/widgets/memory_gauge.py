@@ -16,11 +16,13 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from kvchat.ui.format import bar, fmt_bytes, fmt_ratio
+from kvchat.ui.format import bar, count, fmt_bytes, fmt_ratio
 
 LABEL_W = 9
-VALUE_W = 21
+VALUE_W = 21  # "999.9 KiB / 999.9 KiB": kept steady so the bar does not jitter as it streams
+GAP = 3  # spaces between a reading and the weights/RSS figure beside it
 SIDE_W = 18
+MIN_BAR = 10
 MAX_BAR = 60
 
 
@@ -55,6 +57,11 @@ class MemoryGauge(Widget):
     def watch_live(self, live: bool) -> None:
         self.border_title = "memory · live" if live else "memory"
 
+    def clear(self) -> None:
+        """Forget the readings (another model is loading: its figures are not these)."""
+        self.weights = None
+        self.memory = None
+
     def render(self) -> Group:
         mem = self.memory or {}
         width = max(self.content_region.width, 20)
@@ -63,21 +70,24 @@ class MemoryGauge(Widget):
         standard = mem.get("standard_equivalent_bytes", 0)
         weights = mem.get("weights_bytes") or self.weights
         rss = self.rss
-        wide = width >= LABEL_W + VALUE_W + SIDE_W + 14
-        side = SIDE_W if wide else 0
-        bar_w = min(MAX_BAR, width - LABEL_W - VALUE_W - side - 2)
-        top = max(ceiling or 0, state, standard, 1)
 
         state_val = fmt_bytes(state) + (f" / {fmt_bytes(ceiling)}" if ceiling else "")
+        values = [state_val, fmt_bytes(standard)]
+        sides = [f"weights {fmt_bytes(weights)}", f"RSS {fmt_bytes(rss)}"]
+        value_w = max(VALUE_W if ceiling else 9, *(len(v) for v in values))
+        side_w = max(SIDE_W, *(len(t) for t in sides))
+        # The weights/RSS column only where the bar keeps a useful length beside it;
+        # otherwise those figures move to the third line.
+        bar_w = width - LABEL_W - 1 - value_w - GAP - side_w
+        wide = bar_w >= MIN_BAR
+        if not wide:
+            bar_w = width - LABEL_W - 1 - value_w
+        bar_w = max(1, min(MAX_BAR, bar_w))
+        top = max(ceiling or 0, state, standard, 1)
+
         rows = [
-            (
-                "kvchat",
-                state,
-                state_style(state, ceiling),
-                state_val,
-                f"weights {fmt_bytes(weights)}",
-            ),
-            ("standard", standard, "dodger_blue1", fmt_bytes(standard), f"RSS {fmt_bytes(rss)}"),
+            ("kvchat", state, state_style(state, ceiling), values[0], sides[0]),
+            ("standard", standard, "dodger_blue1", values[1], sides[1]),
         ]
         lines = []
         for label, value, style, value_text, side_text in rows:
@@ -85,14 +95,14 @@ class MemoryGauge(Widget):
             line = Text(f"{label:<{LABEL_W}}", style="bold")
             line.append(filled, style=style)
             line.append(empty, style="grey35")
-            line.append(f" {value_text:<{VALUE_W}}")
+            line.append(f" {value_text:<{value_w}}")
             if wide:
-                line.append(f"{side_text:>{side}}", style="dim")
+                line.append(" " * GAP + f"{side_text:>{side_w}}", style="dim")
             lines.append(line)
 
         tokens = mem.get("tokens", 0)
         info = (
-            f"{tokens} tokens: {mem.get('hot_tokens', 0)} hot · "
+            f"{count(tokens, 'token')}: {mem.get('hot_tokens', 0)} hot · "
             f"{mem.get('checkpointed_tokens', 0)} checkpointed · "
             f"{fmt_bytes(mem.get('disk_bytes', 0))} disk · "
             f"recompute {100 * mem.get('recompute_share', 0.0):.0f}%"
