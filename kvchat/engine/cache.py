@@ -216,6 +216,8 @@ class KVDirectLayer(CacheLayerMixin):
             # Nothing leaves the window: what attention gets is the new cache, as in
             # DynamicLayer (a second concatenation cost ~10% of decode time at 2K-8K).
             self.keys, self.values = full_k, full_v
+        elif self.owner.stream_chunk is None:
+            self._retain_from(full_k, full_v, visible_from, hot_from)
         else:
             self._retain(hot_k, hot_v, key_states, value_states, hot_from + skip)
         self.keep_under_budget()
@@ -238,6 +240,29 @@ class KVDirectLayer(CacheLayerMixin):
         if self.pending_cold is not None:  # streamed attention still has to read them
             needed = min(needed, self.pending_cold[0])
         return max(0, needed)
+
+    def _retain_from(
+        self, full_k: torch.Tensor, full_v: torch.Tensor, first: int, hot_from: int
+    ) -> None:
+        """Keep the last ``keep_hot()`` tokens of ``full_k`` (positions from ``first``, all
+        of them visible; hot before this call from ``hot_from``): slices of what attention
+        gets, so no second concatenation."""
+        keep = min(self.keep_hot(), full_k.shape[-2])
+        end = self.cumulative_length
+        if self.form == "kv":
+            lo = max(first, hot_from, self._needed_from())
+            if lo < end - keep:
+                self._write_out(
+                    full_k[..., lo - first : end - keep - first, :],
+                    full_v[..., lo - first : end - keep - first, :],
+                    lo,
+                )
+        n = full_k.shape[-2]
+        self.keys = full_k[..., n - keep :, :].clone()
+        self.values = full_v[..., n - keep :, :].clone()
+        if self.is_sliding:
+            self.store.drop_before(self._needed_from())
+        self._forget_saved_below(self.hot_from)
 
     def _retain(
         self,
@@ -360,9 +385,11 @@ class KVDirectLayer(CacheLayerMixin):
         streamed = chunk_rows is not None and self.owner.stream_chunk is not None
         stats = self.owner.stats
         device = getattr(self, "device", None) or "cpu"
-        if streamed and all(p.form == "kv" for p in pieces):
-            yield from self._kv_windows(pieces, device, begin, end, chunk_rows)
-            return
+        if pieces and all(p.form == "kv" for p in pieces):
+            if streamed:
+                yield from self._kv_windows(pieces, device, begin, end, chunk_rows)
+                return
+            chunk_rows = None  # K/V rows: one read per run of adjacent pieces, no replay
         i = 0
         while i < len(pieces):
             j, rows = i + 1, pieces[i].rows

@@ -101,7 +101,7 @@ class DiskRows:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def tensor_view(tensor: torch.Tensor) -> memoryview:

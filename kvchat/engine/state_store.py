@@ -81,7 +81,7 @@ class Piece:
 
     @property
     def row_bytes(self) -> int:
-        return self.width * torch.empty((), dtype=self.dtype).element_size()
+        return self.width * self.dtype.itemsize
 
     @property
     def resident_bytes(self) -> int:
