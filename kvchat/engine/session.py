@@ -127,7 +127,7 @@ class ChatSession:
                 # Nothing can ever be evicted: checkpoints would be pure overhead.
                 forms = ["kv"] * self.loaded.footprint.num_layers
             elif forms is None:
-                forms = choose_forms(self.loaded.footprint, settings.checkpoint)
+                forms = choose_forms(self.loaded.footprint, settings.checkpoint, self._costs())
             self.forms = forms
             self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window)
             self.cache.spill_root = self.spill_root
@@ -137,6 +137,17 @@ class ChatSession:
             )
         else:
             raise KvchatError(f"unknown cache kind {settings.kind!r}; use kvdirect or standard")
+
+    def _costs(self) -> Any:
+        """Measured read and recompute costs (``auto`` only; cached after the first run)."""
+        if self.cache_settings.checkpoint != "auto":
+            return None
+        from kvchat.engine.costs import device_costs
+        from kvchat.paths import data_dir
+
+        root = self.spill_root or data_dir()
+        loaded = self.loaded
+        return device_costs(loaded.footprint, loaded.device, loaded.dtype, root)
 
     def _detach_cache(self) -> None:
         close = getattr(self.cache, "close", None)
