@@ -41,6 +41,7 @@ none of its rows can be seen again.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,8 +200,14 @@ class KVDirectLayer(CacheLayerMixin):
                     parts_v.append(cold_v)
         skip = max(0, visible_from - hot_from)  # hot tokens a sliding layer can no longer see
         hot_k, hot_v = self.keys[..., skip:, :], self.values[..., skip:, :]
-        full_k = torch.cat([*parts_k, hot_k, key_states], dim=-2)
-        full_v = torch.cat([*parts_v, hot_v, value_states], dim=-2)
+        if parts_k:
+            # Into buffers reused by every layer and step: attention reads them before the
+            # next layer's update refills them, and the hot window is copied out below.
+            full_k = self.owner.kv_buffer("k", [*parts_k, hot_k, key_states])
+            full_v = self.owner.kv_buffer("v", [*parts_v, hot_v, value_states])
+        else:
+            full_k = torch.cat([hot_k, key_states], dim=-2)
+            full_v = torch.cat([hot_v, value_states], dim=-2)
         if parts_k:
             held = {
                 t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -390,6 +397,9 @@ class KVDirectLayer(CacheLayerMixin):
                 yield from self._kv_windows(pieces, device, begin, end, chunk_rows)
                 return
             chunk_rows = None  # K/V rows: one read per run of adjacent pieces, no replay
+            scratch = self.owner.read_buffer
+        else:
+            scratch = None
         i = 0
         while i < len(pieces):
             j, rows = i + 1, pieces[i].rows
@@ -406,7 +416,7 @@ class KVDirectLayer(CacheLayerMixin):
                 if streamed and len(run) == 1 and run[0].rows > chunk_rows:
                     out = self._in_parts(run[0], device, begin, end, chunk_rows)
                 else:
-                    out = self._to_kv(run, self.store.load(run, device), begin, end)
+                    out = self._to_kv(run, self.store.load(run, device, scratch), begin, end)
                 stats.disk_read_bytes += self.store.read_bytes(run)
             if any(p.form == "residual" for p in run):
                 stats.recompute_seconds += time.perf_counter() - t0
@@ -564,11 +574,13 @@ class KVDirectCache(Cache):
         # attention the whole K/V, the bit-identical path).
         self.checkpoint_budget: int | None = None
         self.stream_chunk: int | None = None
+        self.decode_stream_chunk: int | None = None  # the same for one-token steps
         self.spill_root: Path | None = None
         self.spill: SpillArea | None = None
         self._row_files: dict[str, RowFile] = {}
         self._attention_patch: Any = None
         self._budget_need_total = 0
+        self._buffers: dict[str, torch.Tensor] = {}
         self.spill_error: StorageError | None = None  # a failed move to disk, reported next call
         layers = [
             KVDirectLayer(self, spec.index, form, spec.sliding_window)
@@ -606,6 +618,30 @@ class KVDirectCache(Cache):
             from kvchat.engine.streamed_attention import StreamedAttention
 
             self._attention_patch = StreamedAttention(self)
+
+    # -- reusable scratch ----------------------------------------------------------------
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+        held = self._buffers.get(name)
+        if held is None or held.numel() < numel or held.dtype != dtype or held.device != device:
+            held = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return held[:numel]
+
+    def read_buffer(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 CPU buffer for rows read back from disk (reused every call)."""
+        return self._buffer("read", nbytes, torch.uint8, torch.device("cpu"))
+
+    def kv_buffer(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        """``torch.cat(parts, dim=-2)`` into a buffer reused by every layer and step."""
+        first = parts[0]
+        rows = sum(p.shape[-2] for p in parts)
+        shape = (*first.shape[:-2], rows, first.shape[-1])
+        flat = self._buffer(name, math.prod(shape), first.dtype, first.device)
+        out = flat.view(shape)
+        torch.cat(parts, dim=-2, out=out)
+        return out
+
+    def release_buffers(self) -> None:
+        self._buffers.clear()
 
     # -- disk tier -----------------------------------------------------------------------
     def layer_checkpoint_budget(self, layer: KVDirectLayer) -> int | None:
@@ -645,6 +681,7 @@ class KVDirectCache(Cache):
         self.kv_window = plan.kv_window
         self.checkpoint_budget = plan.checkpoint_budget
         self.enable_streaming(plan.stream_chunk)
+        self.decode_stream_chunk = plan.decode_stream_chunk or plan.stream_chunk
         self._budget_need_total = max(1, sum(map(_need, self.layers)))
         for layer in self.layers:
             layer.trim_hot()
@@ -662,6 +699,7 @@ class KVDirectCache(Cache):
 
     def close(self) -> None:
         self.detach()
+        self.release_buffers()
         if self.spill is not None:
             self.spill.close()
             self.spill = None

@@ -109,9 +109,16 @@ def tensor_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def read_rows(parts: list[DiskRows], device: torch.device | str) -> list[torch.Tensor]:
-    """Load several runs of rows; runs adjacent in one file are read with a single call."""
+def read_rows(
+    parts: list[DiskRows], device: torch.device | str, into: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Load several runs of rows; runs adjacent in one file are read with a single call.
+
+    ``into``: a flat uint8 CPU buffer at least as large as all the parts, reused from call
+    to call (the decode loop's scratch), so reading does not fault in fresh pages each step;
+    the rows returned are then views of it, valid until the buffer's next use."""
     out: list[torch.Tensor] = []
+    used = 0
     i = 0
     while i < len(parts):
         j = i
@@ -124,7 +131,11 @@ def read_rows(parts: list[DiskRows], device: torch.device | str) -> list[torch.T
             j += 1
         run = parts[i : j + 1]
         total = sum(p.nbytes for p in run)
-        buffer = torch.empty(total, dtype=torch.uint8)
+        if into is not None:
+            buffer = into[used : used + total]
+            used += total
+        else:
+            buffer = torch.empty(total, dtype=torch.uint8)
         run[0].file.read_into(tensor_view(buffer), run[0].offset)
         at = 0
         for part in run:

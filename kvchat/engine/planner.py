@@ -107,6 +107,7 @@ class Plan:
     stream_chunk: int | None = None  # rows per streamed attention chunk; None: whole K/V
     prefill_chunk: int | None = None  # cap on rows per forward call (streamed scratch)
     kv_window: int | None = None  # K/V-form layers under the disk tier; None: all hot
+    decode_stream_chunk: int | None = None  # rows per streamed chunk for one-token steps
     estimate: StateEstimate | None = field(default=None, compare=False)
 
     @property
@@ -129,6 +130,7 @@ class Plan:
 
 READ_CHUNK_ROWS = 256  # rows read from disk at once on the bit-identical path
 STREAM_CHUNKS = (1024, 512, 256, 128, 64, 32, 16)
+DECODE_STREAM_CHUNKS = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 PLAN_BLOCK = 32
 
 
@@ -259,19 +261,36 @@ class Planner:
             budget = max(0, room_res - hot(b, res))
         used = (hot(kv_window, kvs) if kvs else 0) + (hot(b, res) if res else 0)
         estimate = StateEstimate(used, budget, scratch, fixed)
-        return Plan(b, budget, stream_chunk, prefill_cap, kv_window, estimate)
+        decode_chunk = None if stream_chunk is None else self._decode_chunk(layers, scratch)
+        return Plan(b, budget, stream_chunk, prefill_cap, kv_window, decode_chunk, estimate)
 
-    def _stream_scratch(self, layer: LayerFootprint, rows: int, form: str = "residual") -> int:
-        """Peak bytes of one streamed chunk of ``rows`` cold tokens for a prefill of ``rows``
-        queries: stored rows read and, for residuals, normed; their K/V (and fp32
-        copies), the scores, weights and their
-        difference from the running max (fp32, 4 bytes each, x3), plus the same for the hot
+    def _stream_scratch(
+        self, layer: LayerFootprint, rows: int, form: str = "residual", queries: int | None = None
+    ) -> int:
+        """Peak bytes of one streamed chunk of ``rows`` cold tokens for ``queries`` query rows
+        (a prefill chunk of ``rows`` by default, 1 when decoding): the stored rows read and,
+        for residuals, normed; their K/V (and fp32 copies); the scores, weights and their
+        difference from the running max (fp32, 4 bytes each, x3); and the same for the hot
         block (the window plus the new rows) handed over beside it."""
+        queries = rows if queries is None else queries
         heads = layer.query_heads or max(1, layer.hidden_size // max(1, layer.head_dim))
         kv_fp32 = layer.kv_bytes * 4 // max(1, self.fp.itemsize)
         read = rows * _row_bytes(layer, form)  # longer pieces are read in parts of ``rows``
-        per_cold_row = layer.residual_bytes + layer.kv_bytes + kv_fp32 + heads * rows * 12
-        return read + rows * per_cold_row + 2 * rows * heads * rows * 12
+        upcast = kv_fp32 if self.fp.itemsize != 4 else 0  # .float() copies only below fp32
+        if form == "residual":  # normed rows, then the recomputed K/V
+            rebuilt = layer.residual_bytes + layer.kv_bytes
+        else:  # K/V read are viewed in place; the chunk is gathered once
+            rebuilt = layer.kv_bytes
+        per_cold_row = rebuilt + upcast + heads * queries * 12
+        return read + rows * per_cold_row + 2 * queries * heads * max(rows, queries) * 12
+
+    def _decode_chunk(self, layers: list, budget: int) -> int:
+        """The largest streamed chunk a one-token step can use within ``budget`` bytes of
+        scratch (the prefill chunk's): a decode step has one query row, not ``rows``."""
+        for rows in DECODE_STREAM_CHUNKS:
+            if max(self._stream_scratch(x, rows, f, 1) for x, _, f in layers) <= budget:
+                return rows
+        return DECODE_STREAM_CHUNKS[-1]
 
 
 def _row_bytes(layer: LayerFootprint, form: str) -> int:

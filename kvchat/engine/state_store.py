@@ -222,10 +222,19 @@ class RowStore:
     def pieces_in(self, begin: int, end: int) -> list[Piece]:
         return [p for p in self.pieces if p.end > begin and p.start < end]
 
-    def load(self, pieces: list[Piece], device: torch.device | str) -> list[torch.Tensor]:
-        """The rows of ``pieces`` (resident as they are; those on disk read and checked)."""
+    def load(
+        self,
+        pieces: list[Piece],
+        device: torch.device | str,
+        scratch: Any = None,
+    ) -> list[torch.Tensor]:
+        """The rows of ``pieces`` (resident as they are; those on disk read and checked).
+        ``scratch(nbytes)``: a reusable flat uint8 buffer to read into (see read_rows)."""
         on_disk = [p for p in pieces if p.resident is None]
-        loaded = iter(read_rows([p.disk for p in on_disk], device) if on_disk else [])
+        into = None
+        if scratch is not None and on_disk:
+            into = scratch(sum(p.disk.nbytes for p in on_disk))
+        loaded = iter(read_rows([p.disk for p in on_disk], device, into) if on_disk else [])
         out = []
         for p in pieces:
             if p.resident is not None:

@@ -87,7 +87,9 @@ def streamed_attention(
     state: list[torch.Tensor | None] = [None, None, None]
     column = 0
     stats = layer.owner.stats
-    for cold_k, cold_v in layer.iter_cold_kv(begin, end, layer.owner.stream_chunk):
+    owner = layer.owner
+    chunk = owner.decode_stream_chunk if q_len == 1 and owner.decode_stream_chunk else None
+    for cold_k, cold_v in layer.iter_cold_kv(begin, end, chunk or owner.stream_chunk):
         n = cold_k.shape[-2]
         if n == 0:
             continue

@@ -44,7 +44,7 @@ def _record_updates(cache: Any) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
 
     def update(key_states, value_states, layer_idx, *args, **kwargs):
         k, v = original(key_states, value_states, layer_idx, *args, **kwargs)
-        seen[layer_idx] = (k, v)
+        seen[layer_idx] = (k.clone(), v.clone())  # the cache reuses its buffers
         return k, v
 
     cache.update = update
