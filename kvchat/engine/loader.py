@@ -15,13 +15,21 @@ def load(
     device: str = "auto",
     dtype: str = "float32",
     weights: str = "none",
+    threads: int | None = None,
     progress: Progress | None = None,
 ) -> LoadedModel:
-    """Resolve ``spec`` (alias, repo id, directory or .gguf) and load it ready to chat."""
+    """Resolve ``spec`` (alias, repo id, directory or .gguf) and load it ready to chat.
+
+    ``threads``: CPU threads for torch (default: physical cores, see ``engine.threads``).
+    """
+    from kvchat.engine.threads import apply_threads, prefer_passive_wait
+
+    prefer_passive_wait()  # a no-op when torch is already loaded; see engine.threads
     from kvchat.engine.footprint import footprint_from_config
     from kvchat.engine.models import load_model, resolve_model, weights_nbytes
 
     say = progress or (lambda _msg: None)
+    apply_threads(threads)
     resolved = resolve_model(spec, progress=say)
     say(f"loading {resolved.name} from {resolved.path}")
     model, tokenizer = load_model(resolved, device=device, dtype=dtype, weights=weights)
