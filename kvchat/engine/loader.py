@@ -26,6 +26,7 @@ def load(
 
     prefer_passive_wait()  # a no-op when torch is already loaded; see engine.threads
     from kvchat.engine.footprint import footprint_from_config
+    from kvchat.engine.heap import return_freed_memory
     from kvchat.engine.models import load_model, resolve_model, weights_nbytes
 
     say = progress or (lambda _msg: None)
@@ -33,6 +34,7 @@ def load(
     resolved = resolve_model(spec, progress=say)
     say(f"loading {resolved.name} from {resolved.path}")
     model, tokenizer = load_model(resolved, device=device, dtype=dtype, weights=weights)
+    return_freed_memory()
     param = next(model.parameters())
     dtype_name = str(getattr(model, "dtype", param.dtype)).removeprefix("torch.")
     return LoadedModel(
