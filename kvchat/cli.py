@@ -42,7 +42,7 @@ def model_options(fn: Callable) -> Callable:
         click.option("--model", "-m", default=None, help="Alias, HF repo id, model dir or .gguf file (default: smollm2-135m)."),
         click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
         click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
-        click.option("--weights", type=click.Choice(["none", "int8", "int4"]), default="none", show_default=True, help="none: full precision in --dtype; int8 / int4: weight-only quantized linears (torch's native CPU kernels)."),
+        click.option("--weights", type=click.Choice(["auto", "none", "int8", "int4"]), default="auto", show_default=True, help="auto: int4 for a model converted from a GGUF on CPU, else none; none: full precision in --dtype; int8 / int4: weight-only quantized (torch's native CPU kernels)."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: physical cores, or OMP_NUM_THREADS)."),
         click.option("--cache", "cache_kind", type=click.Choice(["kvdirect", "standard"]), default="kvdirect", show_default=True, help="KV-Direct, or transformers' own DynamicCache for comparison."),
         click.option("--max-mem", callback=_size, default=None, help="Ceiling on resident conversation state, e.g. 64MB, 512KiB, 1.5GB."),

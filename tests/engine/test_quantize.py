@@ -216,3 +216,16 @@ def test_quantized_smollm2_is_coherent_and_smaller(
     limit = 0.26 if weights == "int8" else 0.18
     assert weights_nbytes(model) < limit * fp32_bytes
     assert "Paris" in _ask(model, tokenizer, "What is the capital of France?")
+
+
+def test_auto_weights_is_int4_for_a_converted_gguf_on_cpu(tmp_path: Path) -> None:
+    from kvchat.engine.quantize import auto_weights
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "kvchat-source.json").write_text("{}", encoding="utf-8")
+    assert auto_weights(converted, "cpu") == "int4"
+    assert auto_weights(converted, "cuda") == "none"
+    assert auto_weights(plain, "cpu") == "none"
