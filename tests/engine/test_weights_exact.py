@@ -77,3 +77,39 @@ def test_smollm2_quantized_bounded_equals_unbounded(smollm2_quantized) -> None:
     ours, session = _three_turns(smollm2_quantized, CacheSettings(hot_window=8, prefill_chunk=32))
     assert ours == ref
     assert session.cache.stats.recomputed_tokens > 0
+
+
+@pytest.mark.slow
+def test_smollm2_quantized_decode_equals_transformers_generate(smollm2_quantized) -> None:
+    """kvchat's loop gives transformers' own greedy tokens on the same quantized weights."""
+    from kvchat.engine.generate import generate
+
+    loaded = smollm2_quantized
+    tok = loaded.tokenizer
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    ids = prompt["input_ids"][0].tolist()
+    with torch.inference_mode():
+        out = loaded.model.generate(
+            **prompt,
+            cache=DynamicCache(config=loaded.model.config),
+            do_sample=False,
+            max_new_tokens=24,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+        )
+    expected = out[0, len(ids) :].tolist()
+    ours = generate(
+        loaded.model,
+        DynamicCache(config=loaded.model.config),
+        ids,
+        device=loaded.device,
+        settings=SamplingSettings(max_new_tokens=24),
+        stop_ids={tok.eos_token_id},
+    )
+    assert ours.tokens == expected
+    assert "Paris" in tok.decode(expected, skip_special_tokens=True)
