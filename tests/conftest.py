@@ -13,6 +13,11 @@ from typing import Any
 
 import pytest
 
+# Before any test imports torch (libgomp reads it once): OpenMP threads that wait passively,
+# so a suite sharing the machine with other work does not spin against it. See
+# kvchat.engine.threads; an explicit OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def pytest_addoption(parser):
     parser.addoption(

@@ -38,9 +38,20 @@ def forward(
     before_forward: BeforeForward | None = None,
 ) -> torch.Tensor:
     """One forward call over ``ids``; returns the logits of the last position ([vocab])."""
-    if before_forward is not None:
-        before_forward(len(ids))
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    return forward_ids(model, cache, input_ids, before_forward)
+
+
+def forward_ids(
+    model: torch.nn.Module,
+    cache: object,
+    input_ids: torch.Tensor,
+    before_forward: BeforeForward | None = None,
+) -> torch.Tensor:
+    """:func:`forward` over a ``[1, n]`` id tensor the caller owns (the decode loop reuses
+    one for every step instead of building a tensor per token)."""
+    if before_forward is not None:
+        before_forward(input_ids.shape[1])
     out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1]
 
@@ -98,6 +109,7 @@ def generate(
             outcome.prefill_seconds = time.perf_counter() - t0
             return outcome
         outcome.prefill_seconds = time.perf_counter() - t0
+        step_ids = torch.empty((1, 1), dtype=torch.long, device=device)
         t0 = time.perf_counter()
         while True:
             if should_stop is not None and should_stop():
@@ -115,7 +127,8 @@ def generate(
                 outcome.finish_reason = "length"
                 break
             try:
-                logits = forward(model, cache, [token], device, before_forward)
+                step_ids.fill_(token)
+                logits = forward_ids(model, cache, step_ids, before_forward)
             except NeedsDiskTierError as exc:
                 # The ceiling is reached mid-reply: end the reply here, keep what was said.
                 outcome.finish_reason = "ceiling"

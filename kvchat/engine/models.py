@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvchat.engine.quantize import WEIGHT_MODES, quantize_weights, weights_nbytes
+from kvchat.engine.quantize import WEIGHT_MODES, weights_nbytes
 from kvchat.errors import ModelLoadError, ModelNotFoundError
 from kvchat.paths import cache_dir
 
@@ -944,8 +944,8 @@ def load_model(
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` from a resolved directory, in eval mode, on ``device``.
 
-    ``weights`` is "none", "int8" or "int4" (optimum-quanto, see ``kvchat.engine.quantize``;
-    run int4 models under ``quantize.inference_context(model)``, not ``torch.inference_mode``).
+    ``weights`` is "none" (float in ``dtype``), "int8" or "int4" (weight-only quantized
+    Linears, loaded one tensor at a time; see ``kvchat.engine.quantized_load``).
     Multimodal Gemma 3 checkpoints come back as a text-only ``Gemma3ForCausalLM``.
     Every failure is a one-line :class:`ModelLoadError`.
     """
@@ -962,9 +962,24 @@ def load_model(
         with _quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(path)
             config = AutoConfig.from_pretrained(path)
-            kwargs: dict[str, Any] = {"dtype": torch_dtype}
+            key_mapping: dict[str, str] | None = None
             if getattr(config, "model_type", None) == "gemma3" and hasattr(config, "text_config"):
-                kwargs.update(config=config.text_config, key_mapping=_GEMMA3_TEXT_KEYS)
+                config, key_mapping = config.text_config, _GEMMA3_TEXT_KEYS
+            if weights != "none":
+                if not any(path.glob("*.safetensors")):
+                    raise ModelLoadError(
+                        f"--weights {weights} reads safetensors weights and {str(path)!r} has "
+                        "none; use --weights none"
+                    )
+                from kvchat.engine.quantized_load import load_quantized
+
+                model = load_quantized(
+                    path, config, torch_dtype, weights, key_mapping=key_mapping, device=dev
+                )
+                return model, tokenizer
+            kwargs: dict[str, Any] = {"dtype": torch_dtype}
+            if key_mapping is not None:
+                kwargs.update(config=config, key_mapping=key_mapping)
             if dev.type != "cpu":
                 kwargs["device_map"] = str(dev)  # stream weights straight to the device
             try:
@@ -979,6 +994,11 @@ def load_model(
                 )
     except ModelLoadError:
         raise
+    except torch.OutOfMemoryError as exc:
+        raise ModelLoadError(
+            f"{resolved.name!r} does not fit on {dev} ({_one_line(exc)}); try --weights int4, "
+            "a smaller model, or --device cpu"
+        ) from None
     except Exception as exc:
         raise ModelLoadError(
             f"could not load {resolved.name!r} from {str(path)!r} ({_one_line(exc)}); check the "
@@ -989,11 +1009,9 @@ def load_model(
         model.to(dev)
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(
-            f"{resolved.name!r} does not fit on {dev} ({_one_line(exc)}); try --weights int8, "
+            f"{resolved.name!r} does not fit on {dev} ({_one_line(exc)}); try --weights int4, "
             "a smaller model, or --device cpu"
         ) from None
-    if weights != "none":
-        model = quantize_weights(model, weights)
     return model, tokenizer
 
 

@@ -1,29 +1,14 @@
-"""Weight-only quantization (optimum-quanto) and honest weight-byte accounting.
+"""Weight modes and honest weight-byte accounting.
 
-Why weight quantization at all: on the machines kvchat targets, weights dominate memory
-(SmolLM2-135M is 540 MB in float32); int8 roughly quarters the Linear layers at a cost in
-decode speed on CPU (DESIGN §3 measured ~4x slower decode for qint8).
+``--weights none`` keeps the float weights in ``--dtype``; ``int8`` / ``int4`` replace every
+decoder Linear with a weight-only quantized layer on torch's native CPU kernels and the
+vocabulary matrix (embedding and tied ``lm_head``) with one int8 table; see ``qlinear`` for
+the kernels and why, ``quantized_load`` for loading them from files one tensor at a time.
+:func:`quantize_weights` does the same in place on a float model already in memory (tiny
+test models, models that do not come from safetensors files).
 
-Facts this module is built on (optimum-quanto 0.2.7, torch 2.13, measured on SmolLM2-135M):
-
-* ``quantize(model, weights=qint8|qint4)`` then ``freeze(model)`` replaces each ``nn.Linear``
-  weight with a ``WeightQBytesTensor`` (int8 ``_data`` + per-row ``_scale``) or a
-  ``WeightQBitsTensor`` (``PackedTensor`` of uint8 holding two 4-bit values, plus per-group
-  ``_scale`` and ``_shift``). ``nn.Embedding`` stays in float.
-* qint4 models FAIL under ``torch.inference_mode`` ("Cannot set version_counter for inference
-  tensor") and work under ``torch.no_grad``; qint8 works under both. Use
-  :func:`inference_context` instead of picking one yourself.
-* ``lm_head`` is excluded. With tied embeddings (SmolLM2, Gemma 3, Qwen2.5-0.5B, Llama 3.2)
-  quantizing it unties it: the float embedding stays and an extra quantized copy of the
-  vocabulary matrix appears, so memory goes UP. Excluding it also keeps the output logits at
-  full precision, which matters for greedy ties. Measured on SmolLM2-135M (fp32 538 MB):
-  int8 220 MB with lm_head excluded vs 249 MB quantized; int4 175 MB vs 191 MB. Both answer
-  "What is the capital of France?" with Paris either way, so coherence did not force the
-  choice; memory and logit precision did.
-* CPU speed (SmolLM2, 1 thread, 8 greedy tokens): fp32 0.7 s, int8 1.4 s, int4 2.1 s.
-
-Only ``torch`` / ``optimum.quanto`` imports happen inside functions, so importing this module
-(and ``kvchat.engine.models``) stays cheap.
+Only torch imports happen inside functions, so importing this module (and
+``kvchat.engine.models``) stays cheap.
 """
 
 from __future__ import annotations
@@ -32,7 +17,10 @@ import contextlib
 from typing import Any
 
 __all__ = [
+    "CHOICES",
     "WEIGHT_MODES",
+    "auto_weights",
+    "check_mode",
     "inference_context",
     "is_quantized",
     "quantize_weights",
@@ -41,81 +29,107 @@ __all__ = [
 ]
 
 WEIGHT_MODES: tuple[str, ...] = ("none", "int8", "int4")
+CHOICES: tuple[str, ...] = ("auto", *WEIGHT_MODES)
 
-# fnmatch patterns over module names (quanto's `exclude`); see the module docstring for why.
-_EXCLUDE = ["lm_head", "*.lm_head"]
+
+def auto_weights(model_dir: Any, device_type: str) -> str:
+    """What ``--weights auto`` (the default) means for a model directory on a device.
+
+    int4 for a model converted from a GGUF (kvchat writes ``kvchat-source.json`` beside it)
+    on CPU: its linears were 4-bit in the file, and int4 group 32 re-expresses Q4_1 blocks
+    exactly; measured on SmolLM2-135M against the dequantized float32 weights over 3,071
+    tokens of real text (benchmarks/bench_weights.py): top-1 agreement 96.1 % and mean NLL
+    +0.003 nats (bfloat16: 96.2 %, +0.001; int8: 94.8 %, +0.007) at 91 MiB of weights
+    (float32 513, bfloat16 257, int8 129). Full precision ("none") otherwise: float
+    checkpoints would lose to requantization, and off CPU the quantized layers are not fast.
+    """
+    from pathlib import Path
+
+    if device_type == "cpu" and model_dir is not None:
+        if (Path(model_dir) / "kvchat-source.json").is_file():
+            return "int4"
+    return "none"
+
+
+def check_mode(weights: str) -> None:
+    from kvchat.errors import ModelLoadError
+
+    if weights not in WEIGHT_MODES:
+        raise ModelLoadError(f"unknown weights mode {weights!r}; use {', '.join(WEIGHT_MODES)}")
 
 
 def quantize_weights(model: Any, weights: str) -> Any:
-    """Quantize ``model``'s Linear weights in place to ``weights`` ("int8"/"int4") and freeze.
+    """Quantize ``model``'s decoder Linears (and its vocabulary matrix to int8) in place.
 
-    Returns the same model for chaining. "none" is a no-op. Quantize AFTER moving the model to
-    its device: quanto picks device-specific packed layouts at freeze time.
+    Returns the same model for chaining; "none" is a no-op. The float weights of each layer
+    are released as it is replaced.
     """
-    from kvchat.errors import ModelLoadError
-
+    check_mode(weights)
     if weights == "none":
         return model
-    if weights not in WEIGHT_MODES:
-        raise ModelLoadError(f"unknown weights mode {weights!r}; use {', '.join(WEIGHT_MODES)}")
-    try:
-        from optimum.quanto import freeze, qint4, qint8, quantize
-    except ImportError:
-        raise ModelLoadError(
-            f"--weights {weights} needs optimum-quanto; run `pip install optimum-quanto`"
-        ) from None
-    qtype = qint8 if weights == "int8" else qint4
-    try:
-        quantize(model, weights=qtype, exclude=_EXCLUDE)
-        freeze(model)
-    except Exception as exc:
-        text = " ".join(str(exc).split())[:200]
-        raise ModelLoadError(
-            f"could not quantize weights to {weights} ({type(exc).__name__}: {text}); "
-            "use --weights none or another device"
-        ) from None
+    import torch
+
+    from kvchat.engine import qlinear
+
+    names = {id(m): n for n, m in model.named_modules()}
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    dtype = embed.weight.dtype
+    with torch.no_grad():
+        for name, module in list(model.named_modules()):
+            if not isinstance(module, torch.nn.Linear) or module is head:
+                continue
+            use4 = weights == "int4" and qlinear.int4_supported(module.weight)
+            parts = (qlinear.quantize_int4 if use4 else qlinear.quantize_int8)(module.weight)
+            parts = {k: v.to(module.weight.device) for k, v in parts.items()}
+            cls = qlinear.Int4Linear if use4 else qlinear.Int8Linear
+            bias = None if module.bias is None else module.bias.data
+            _set_module(model, name, cls(parts, bias))
+        tied = head is not None and head.weight is embed.weight
+        vocab = qlinear.quantize_int8(embed.weight)
+        vocab = {k: v.to(embed.weight.device) for k, v in vocab.items()}
+        scale = getattr(embed, "embed_scale", None)
+        _set_module(
+            model,
+            names[id(embed)],
+            qlinear.Int8Embedding(vocab, dtype, scale, getattr(embed, "padding_idx", None)),
+        )
+        if head is not None:
+            parts = vocab if tied else qlinear.quantize_int8(head.weight)
+            bias = None if head.bias is None else head.bias.data
+            head8 = qlinear.Int8Linear(parts, bias, qlinear.HEAD_REFINE_TOP)
+            _set_module(model, names[id(head)], head8)
     return model
 
 
-def is_quantized(model: Any, *, bits: int | None = None) -> bool:
-    """True if any parameter is a quanto weight tensor (of ``bits`` bits, if given)."""
-    from optimum.quanto import QTensor
+def _set_module(model: Any, name: str, module: Any) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
 
-    for param in model.parameters():
-        if isinstance(param, QTensor):
-            if bits is None or param.qtype.bits == bits:
-                return True
-    return False
+
+def is_quantized(model: Any, *, bits: int | None = None) -> bool:
+    """True if any layer holds quantized weights (of ``bits`` bits, if given)."""
+    from kvchat.engine.qlinear import Int4Linear, Int8Embedding, Int8Linear
+
+    kinds = {8: (Int8Linear, Int8Embedding), 4: (Int4Linear,)}
+    wanted = kinds[bits] if bits is not None else (Int8Linear, Int8Embedding, Int4Linear)
+    return any(isinstance(m, wanted) for m in model.modules())
 
 
 def inference_context(model: Any) -> contextlib.AbstractContextManager[Any]:
-    """The grad-free context to run ``model`` under.
-
-    ``torch.inference_mode`` is faster, but quanto's 4-bit weights break under it (see the
-    module docstring), so int4 models get ``torch.no_grad``.
-    """
+    """The grad-free context to run ``model`` under (every weight mode runs under
+    ``torch.inference_mode``; kept as a function so callers need not know)."""
     import torch
 
-    if _has_quanto() and is_quantized(model, bits=4):
-        return torch.no_grad()
     return torch.inference_mode()
-
-
-def _has_quanto() -> bool:
-    try:
-        import optimum.quanto  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def tensor_nbytes(tensor: Any, seen: set[tuple[str, int]] | None = None) -> int:
     """Bytes of storage behind ``tensor``, counting each storage once across calls with ``seen``.
 
-    Wrapper subclasses (quanto's QTensors, PackedTensor) are opened with
-    ``__tensor_flatten__`` and their inner tensors (``_data``, ``_scale``, ``_shift``) counted,
-    because ``numel() * element_size()`` of the wrapper reports the float size it pretends to
-    be, not what is resident.
+    Wrapper subclasses are opened with ``__tensor_flatten__`` and their inner tensors
+    counted, because ``numel() * element_size()`` of a wrapper reports the float size it
+    pretends to be, not what is resident.
     """
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 

@@ -317,31 +317,22 @@ class ChatSession:
         self.token_ids.extend(new_ids)
         self._rendered = full
 
+        from kvchat.engine.detokenizer import IncrementalDecoder, StopStrings
+
         tok = self.loaded.tokenizer
-        generated: list[int] = []
-        emitted = ""
         plain = not self.loaded.has_chat_template
+        decoder = IncrementalDecoder(tok)
+        stops = StopStrings(PLAIN_STOP_STRINGS if plain else ())
+
+        def show(text: str) -> bool:
+            """Stream ``text`` (minus any stop string); True once a stop string appeared."""
+            text, stopped = stops.feed(text)
+            if text and on_text is not None:
+                on_text(text)
+            return stopped
 
         def on_token(token_id: int) -> bool:
-            nonlocal emitted
-            generated.append(token_id)
-            text_now = tok.decode(generated, skip_special_tokens=True)
-            if plain:
-                cut = min(
-                    (text_now.find(s) for s in PLAIN_STOP_STRINGS if s in text_now), default=-1
-                )
-                if cut >= 0:
-                    text_now = text_now[:cut]
-            if text_now.endswith("\ufffd"):
-                return False
-            if (
-                on_text is not None
-                and len(text_now) > len(emitted)
-                and text_now.startswith(emitted)
-            ):
-                on_text(text_now[len(emitted) :])
-            emitted = text_now
-            return plain and any(s in tok.decode(generated) for s in PLAIN_STOP_STRINGS)
+            return show(decoder.push(token_id))
 
         start = time.perf_counter()
         try:
@@ -363,6 +354,10 @@ class ChatSession:
             self._cache_broken = True
             raise
         self._compute_seconds += time.perf_counter() - start
+        show(decoder.flush())  # a reply cut by length may end inside a held-back tail
+        tail = stops.flush()
+        if tail and on_text is not None:
+            on_text(tail)
         reply_ids = outcome.tokens
         reply = tok.decode(reply_ids, skip_special_tokens=True)
         if plain:

