@@ -241,6 +241,11 @@ class Planner:
                     f"{human_bytes(scratch)}, with as much again for the hot window); "
                     f"use --max-mem {_round_up(need)} or more"
                 )
+        decode_chunk = None
+        if stream_chunk is not None:
+            decode_chunk = self._decode_chunk(layers, self.ceiling // 2 - fixed)
+            decode_scratch = max(self._stream_scratch(x, decode_chunk, f, 1) for x, _, f in layers)
+            scratch = max(scratch, decode_scratch)  # a step is one or the other, never both
         room = self.ceiling - fixed - scratch
         res = [(x, v) for x, v, f in layers if f == "residual"]
         kvs = [(x, v) for x, v, f in layers if f == "kv"]
@@ -261,7 +266,6 @@ class Planner:
             budget = max(0, room_res - hot(b, res))
         used = (hot(kv_window, kvs) if kvs else 0) + (hot(b, res) if res else 0)
         estimate = StateEstimate(used, budget, scratch, fixed)
-        decode_chunk = None if stream_chunk is None else self._decode_chunk(layers, scratch)
         return Plan(b, budget, stream_chunk, prefill_cap, kv_window, decode_chunk, estimate)
 
     def _stream_scratch(
@@ -286,7 +290,7 @@ class Planner:
 
     def _decode_chunk(self, layers: list, budget: int) -> int:
         """The largest streamed chunk a one-token step can use within ``budget`` bytes of
-        scratch (the prefill chunk's): a decode step has one query row, not ``rows``."""
+        scratch: a decode step has one query row, not a prefill chunk's ``rows``."""
         for rows in DECODE_STREAM_CHUNKS:
             if max(self._stream_scratch(x, rows, f, 1) for x, _, f in layers) <= budget:
                 return rows
