@@ -82,13 +82,7 @@ BAD_INPUTS = [
     (["chat", "--dtype", "int3"], 2),
     (["--max-mem", "-5MB"], 2),
     (["--data-dir"], 2),
-    pytest.param(
-        ["list", "--data-dir", "{file}"],
-        1,
-        marks=pytest.mark.xfail(
-            strict=True, reason="list's own StorageError: fixed on the harden-files branch"
-        ),
-    ),
+    (["list", "--data-dir", "{file}"], 1),
 ]
 
 

@@ -176,6 +176,24 @@ def test_8k_token_conversation_resumed_under_2mb_continues_identically(smollm2_l
     ref = standard.send(question, SamplingSettings(max_new_tokens=6))
     assert reply.tokens == ref.tokens
 
+    # RSS growth does not grow with context: a 1K-token conversation resumed the same way
+    # grows RSS by at most 16 MiB less than the 8K one.
+    small = open_session(smollm2_loaded, data_dir=tmp_path, cache=roomy)
+    small.send(long_text(60) + " Which shelf holds note 7?", SamplingSettings(max_new_tokens=4))
+    small_id, small_tokens = small.conversation.id, small.cache.get_seq_length()
+    small.close()
+    assert 900 <= small_tokens <= 1300
+    gc.collect()
+    with RssPeak() as rss_small:
+        again = open_session(
+            smollm2_loaded, data_dir=tmp_path, cache=tight, conversation_id=small_id
+        )
+        again.send(question, SamplingSettings(max_new_tokens=6))
+    again.close()
+    assert rss.growth <= rss_small.growth + 16 * 2**20, (
+        f"RSS grew {rss.growth / 2**20:.1f} MiB at 8K vs {rss_small.growth / 2**20:.1f} at 1K"
+    )
+
 
 def test_a_full_disk_while_spilling_ends_the_reply_cleanly_and_keeps_the_state(
     smollm2_loaded, tmp_path, monkeypatch
