@@ -46,7 +46,7 @@ def test_tiny_models_bounded_equal_unbounded(family: str, weights: str, dtype) -
             f"{family} {weights} B={hot}: logits not bit-identical"
         )
         if hot < 16:
-            assert cache.stats.recomputed_tokens > 0
+            assert cache.stats.recomputed_tokens > 0  # residual form here: replayed
 
 
 PROMPTS = (
@@ -76,7 +76,8 @@ def test_smollm2_quantized_bounded_equals_unbounded(smollm2_quantized) -> None:
     ref, _ = _three_turns(smollm2_quantized, CacheSettings(kind="standard"))
     ours, session = _three_turns(smollm2_quantized, CacheSettings(hot_window=8, prefill_chunk=32))
     assert ours == ref
-    assert session.cache.stats.recomputed_tokens > 0
+    stats = session.cache.stats  # auto: K/V read back from disk (residual: recomputed)
+    assert stats.disk_read_bytes > 0 or stats.recomputed_tokens > 0
 
 
 @pytest.mark.slow

@@ -66,5 +66,5 @@ def test_restart_between_turns_continues_exactly(tmp_path):
         text=True,
         check=True,
     )
-    rows = {row["id"]: row for row in json.loads(listed.stdout)}
+    rows = {row["id"]: row for row in json.loads(listed.stdout)["conversations"]}
     assert rows[conversation]["turns"] == 3 and not rows[conversation]["error"]
