@@ -32,8 +32,8 @@ DTYPES = ["float32", "bfloat16", "float16", "auto"]
 EXIT_ERROR = 1
 EXIT_NOT_SAVED = 3
 EXIT_INTERRUPTED = 130
-# Below this no model can hold a conversation (token ids plus one layer's recompute scratch
-# for a handful of tokens); above it, a typo rather than a machine.
+# Sizes outside these are typos ("64" for 64MB), not machines; ceilings inside them that are
+# still too small for the model are refused by the planner, with its numbers.
 MIN_MAX_MEM = 64 * 1024
 MAX_MAX_MEM = 2**50  # 1 PiB
 
