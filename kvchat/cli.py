@@ -388,10 +388,9 @@ def _answer(session: Any, prompts: list[str], sampling: Any, as_json: bool) -> i
                 _stream_to_stdout(" [stopped]")
             _end_stdout_line()
             click.echo(format_memory_line(result.memory), err=True)
-        save_error = getattr(result, "save_error", None)
-        if save_error:
+        if result.save_error:
             unsaved.append(turn)
-            _note(f"saving failed: {save_error}")
+            _note(f"saving failed: {result.save_error}")
         else:
             unsaved = []  # a successful save writes every turn still pending
             if result.error:
@@ -436,7 +435,7 @@ def _turn_json(turn: int, prompt: str, result: Any, conversation: str | None) ->
         "tokens": result.tokens,
         "finish_reason": result.finish_reason,
         "error": result.error,
-        "saved": conversation is not None and not getattr(result, "save_error", None),
+        "saved": conversation is not None and not result.save_error,
         "prompt_tokens": result.prompt_tokens,
         "prefill_seconds": round(result.prefill_seconds, 4),
         "decode_seconds": round(result.decode_seconds, 4),
@@ -605,7 +604,8 @@ def _lab_command(kind: str, help_text: str) -> None:
         )
         argv = " ".join(["kvchat", kind, *sys.argv[2:]])
         try:
-            sections, paths = run_suite(kind, ctx, experiments(kind, only), command=argv)
+            with _exit_on_termination():  # atexit hooks and finally blocks still run
+                sections, paths = run_suite(kind, ctx, experiments(kind, only), command=argv)
         except KvchatError as exc:
             _fail(exc)
         failed = [c for s in sections for c in s.claims if c.held is False]
