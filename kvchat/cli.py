@@ -32,8 +32,8 @@ DTYPES = ["float32", "bfloat16", "float16", "auto"]
 EXIT_ERROR = 1
 EXIT_NOT_SAVED = 3
 EXIT_INTERRUPTED = 130
-# Below this no model can hold a conversation (token ids plus one layer's recompute scratch
-# for a handful of tokens); above it, a typo rather than a machine.
+# Sizes outside these are typos ("64" for 64MB), not machines; ceilings inside them that are
+# still too small for the model are refused by the planner, with its numbers.
 MIN_MAX_MEM = 64 * 1024
 MAX_MAX_MEM = 2**50  # 1 PiB
 
@@ -390,10 +390,9 @@ def _answer(session: Any, prompts: list[str], sampling: Any, as_json: bool) -> i
                 _stream_to_stdout(" [stopped]")
             _end_stdout_line()
             click.echo(format_memory_line(result.memory), err=True)
-        save_error = getattr(result, "save_error", None)
-        if save_error:
+        if result.save_error:
             unsaved.append(turn)
-            _note(f"saving failed: {save_error}")
+            _note(f"saving failed: {result.save_error}")
         else:
             unsaved = []  # a successful save writes every turn still pending
             if result.error:
@@ -438,7 +437,7 @@ def _turn_json(turn: int, prompt: str, result: Any, conversation: str | None) ->
         "tokens": result.tokens,
         "finish_reason": result.finish_reason,
         "error": result.error,
-        "saved": conversation is not None and not getattr(result, "save_error", None),
+        "saved": conversation is not None and not result.save_error,
         "prompt_tokens": result.prompt_tokens,
         "prefill_seconds": round(result.prefill_seconds, 4),
         "decode_seconds": round(result.decode_seconds, 4),
@@ -816,7 +815,8 @@ def _lab_command(kind: str, help_text: str) -> None:
         )
         argv = " ".join(["kvchat", kind, *sys.argv[2:]])
         try:
-            sections, paths = run_suite(kind, ctx, experiments(kind, only), command=argv)
+            with _exit_on_termination():  # atexit hooks and finally blocks still run
+                sections, paths = run_suite(kind, ctx, experiments(kind, only), command=argv)
         except KvchatError as exc:
             _fail(exc)
         failed = [c for s in sections for c in s.claims if c.held is False]

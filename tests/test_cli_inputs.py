@@ -97,6 +97,7 @@ def test_bad_input_gets_one_line_and_no_traceback(bad_files, args, status, tmp_p
     assert "Traceback" not in both, both
     assert out.returncode == status, both
     assert time.monotonic() - started < 20, "refused only after loading something"
+    assert "kvchat: loading" not in out.stderr  # refused before any model was loaded
     errors = [line for line in out.stderr.splitlines() if "rror" in line]
     assert len(errors) == 1, out.stderr
 
@@ -105,6 +106,12 @@ def _env(tmp_path: Path) -> dict[str, str]:
     import os
 
     return {**os.environ, "KVCHAT_DATA_DIR": str(tmp_path / "data")}
+
+
+@pytest.mark.parametrize("command", [[], ["chat"], ["run"], ["resume", "x"]])
+def test_every_model_command_takes_a_data_dir(command):
+    out = kvchat(*command, "--help")
+    assert out.returncode == 0 and "--data-dir" in out.stdout
 
 
 def test_sizes_print_in_sensible_units():
@@ -148,3 +155,31 @@ def test_a_turn_that_cannot_be_saved_exits_3_and_says_so(tmp_path):
     assert js.returncode == 3
     turn = json.loads(js.stdout)
     assert turn["saved"] is False and turn["error"]
+
+
+@pytest.mark.slow
+def test_a_base_model_gets_plain_completion_and_is_told_so(smollm2_dir, tmp_path):
+    """SmolLM2 without its chat template stands in for a base model (as Gemma 3 270M is)."""
+    base = tmp_path / "base-model"
+    base.mkdir()
+    for f in smollm2_dir.iterdir():
+        if f.name == "chat_template.jinja":
+            continue
+        if f.name == "tokenizer_config.json":
+            config = json.loads(f.read_text())
+            config.pop("chat_template", None)
+            (base / f.name).write_text(json.dumps(config))
+        else:
+            (base / f.name).symlink_to(f)
+    out = kvchat(
+        "run", "--model", str(base), "--no-save", "--max-new-tokens", "12",
+        "--prompt", "The capital of France is", env=_env(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "is a base model (no chat template): plain completion" in out.stderr
+    assert "Assistant" not in out.stdout and "User" not in out.stdout
+    js = kvchat(
+        "run", "--model", str(base), "--no-save", "--max-new-tokens", "4", "--json",
+        "--prompt", "The capital of France is", env=_env(tmp_path),
+    )  # fmt: skip
+    assert json.loads(js.stdout)["prompt_tokens"] == 5  # the prompt alone, no wrapper

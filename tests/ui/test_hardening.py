@@ -162,3 +162,10 @@ async def test_termination_quits_cleanly_and_closes_the_session(make_app, signum
     app.wait_for_engine(5)
     assert app.return_code == 128 + signum
     assert closed == ["kvchat-engine"]  # closed on the engine thread, after its last job
+
+
+def test_settings_refuse_a_temperature_that_is_not_a_number():
+    from kvchat.ui.screens.settings import parse_settings
+
+    with pytest.raises(ValueError, match="temperature must be between"):
+        parse_settings("", "nan", "", "", "64")

@@ -32,7 +32,7 @@ def _number(text: str, name: str, kind: type, low: float, high: float | None = N
         value = kind(text)
     except ValueError:
         raise ValueError(f"{name} must be a number, not {text!r}") from None
-    if value < low or (high is not None and value > high):
+    if value != value or value < low or (high is not None and value > high):  # nan too
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise ValueError(f"{name} must be {bound}, not {text}")
     return value
