@@ -165,27 +165,27 @@ def gemma_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     ids = ids.tolist()
     rows = []
     root = Path(tempfile.mkdtemp(prefix="kvchat-bench-gemma-"))
-    for cold in (False, True):
-        base = ChatSession(loaded, cache=CacheSettings(kind="standard"))
-        base.cache = DynamicCache(config=model.config)
-        bounded = ChatSession(loaded, cache=CacheSettings(max_mem=64 * 10**6), spill_root=root)
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            first = int(torch.argmax(prefill(model, base.cache, ids, loaded.device, 256)))
-            common.say(f"  standard prefill {time.perf_counter() - t0:.0f} s")
-            t0 = time.perf_counter()
-            logits = prefill(model, bounded.cache, ids, loaded.device, 256, bounded.before_forward)
-            common.say(f"  bounded prefill {time.perf_counter() - t0:.0f} s")
-        assert int(torch.argmax(logits)) == first
+    base = ChatSession(loaded, cache=CacheSettings(kind="standard"))
+    base.cache = DynamicCache(config=model.config)
+    bounded = ChatSession(loaded, cache=CacheSettings(max_mem=64 * 10**6), spill_root=root)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        first = int(torch.argmax(prefill(model, base.cache, ids, loaded.device, 256)))
+        common.say(f"  standard prefill {time.perf_counter() - t0:.0f} s")
+        t0 = time.perf_counter()
+        logits = prefill(model, bounded.cache, ids, loaded.device, 256, bounded.before_forward)
+        common.say(f"  bounded prefill {time.perf_counter() - t0:.0f} s")
+    assert int(torch.argmax(logits)) == first
+    token = first
+    for cold in (False, True):  # the same two sessions go on decoding, warm then cold
         times, tokens = decode_pair(
-            loaded, base, bounded, first, args.steps, root if cold else None
+            loaded, base, bounded, token, args.steps, root if cold else None
         )
-        mem = bounded.memory()
-        bounded.close()
-        rows.append(row("4K" if n == 4096 else "1K", "64MB", "auto", cold, times, tokens, mem))
+        token = tokens["bounded"][-1]
+        label = "4K" if n == 4096 else "1K"
+        rows.append(row(label, "64MB", "auto", cold, times, tokens, bounded.memory()))
         common.say(f"  {rows[-1]['summary']}")
-        del base
-        common.collect()
+    bounded.close()
     return rows
 
 

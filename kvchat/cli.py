@@ -114,6 +114,32 @@ def _note(message: str) -> None:
     click.echo(f"kvchat: {message}", err=True)
 
 
+PROGRESS_MIN_TOKENS = 1024  # prompts shorter than this read in about a second: no bar
+
+
+class _PrefillProgress:
+    """A progress bar on stderr while a long prompt is read (prefill): redrawn in place on
+    a terminal, a line per quarter otherwise (logs stay readable)."""
+
+    def __init__(self) -> None:
+        self.shown = -1
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if total < PROGRESS_MIN_TOKENS:
+            return
+        pct = 100 * done // total
+        if self.tty:
+            bar = "#" * (pct // 5)
+            sys.stderr.write(f"\rkvchat: reading the prompt [{bar:<20}] {done}/{total} tokens")
+            if done >= total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        elif pct // 25 > self.shown:
+            self.shown = pct // 25
+            _note(f"reading the prompt: {done}/{total} tokens ({pct}%)")
+
+
 @contextlib.contextmanager
 def _exit_on_termination() -> Iterator[None]:
     """SIGTERM and SIGHUP (``timeout``, a closed terminal) become ``SystemExit(128+N)``, so
@@ -378,6 +404,7 @@ def _answer(session: Any, prompts: list[str], sampling: Any, as_json: bool) -> i
                     sampling,
                     on_text=None if as_json else _stream_to_stdout,
                     should_stop=lambda: sigint.cancelled,
+                    on_progress=_PrefillProgress(),
                 )
         except KeyboardInterrupt:
             _note(f"interrupted; {_saved_note(session)}")

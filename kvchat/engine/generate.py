@@ -63,13 +63,17 @@ def prefill(
     device: torch.device,
     chunk: int,
     before_forward: BeforeForward | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> torch.Tensor:
-    """Feed ``ids`` in chunks of at most ``chunk`` tokens; logits of the last one."""
+    """Feed ``ids`` in chunks of at most ``chunk`` tokens; logits of the last one.
+    ``on_progress(done, total)`` after each chunk (long prompts show a bar)."""
     if not ids:
         raise ValueError("nothing to prefill")
     logits = None
     for start in range(0, len(ids), chunk):
         logits = forward(model, cache, ids[start : start + chunk], device, before_forward)
+        if on_progress is not None:
+            on_progress(min(len(ids), start + chunk), len(ids))
     return logits
 
 
@@ -85,6 +89,7 @@ def generate(
     before_forward: BeforeForward | None = None,
     on_token: Callable[[int], bool | None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> DecodeOutcome:
     """Prefill ``prompt_ids`` then decode until a stop id, ``max_new_tokens`` or cancel.
 
@@ -100,7 +105,9 @@ def generate(
     with inference_context(model):
         t0 = time.perf_counter()
         try:
-            logits = prefill(model, cache, prompt_ids, device, prefill_chunk, before_forward)
+            logits = prefill(
+                model, cache, prompt_ids, device, prefill_chunk, before_forward, on_progress
+            )
         except NeedsDiskTierError as exc:
             # Raised before a chunk is fed (never inside a forward call): what was fed stays
             # consistent, and the next turn feeds the rest from the token ids.

@@ -285,6 +285,7 @@ class ChatSession:
         *,
         on_text: Callable[[str], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
         """Add a user message, generate the reply, stream it through ``on_text``."""
         from kvchat.engine.generate import generate
@@ -347,6 +348,7 @@ class ChatSession:
                 before_forward=self._before_forward,
                 on_token=on_token,
                 should_stop=should_stop,
+                on_progress=on_progress,
             )
         except BaseException:
             # A forward call may have stopped half way (layers disagree on what they hold):

@@ -35,6 +35,7 @@ from kvchat.ui.messages import (
     Loaded,
     LoadProgress,
     MemoryUpdate,
+    PrefillProgress,
     ReplyChunk,
     ReplyDone,
 )
@@ -52,6 +53,7 @@ SIDE_PANEL_MIN_WIDTH = 120  # columns from which the comparison panel sits besid
 MEMORY_INTERVAL = 0.2  # seconds between engine memory snapshots while a reply streams
 RSS_INTERVAL = 0.25  # seconds between process RSS readings while the engine works
 CLOSE_TIMEOUT = 5.0  # seconds to wait at exit for the engine to close the session
+PREFILL_NOTE_MIN_TOKENS = 1024  # shorter prompts are read in about a second
 LOAD_PROGRESS_W = 22  # columns of the load progress bar beside the status line
 FAILURE_TITLES = {"send": "no reply", "resume": "cannot resume"}
 WELCOME = (
@@ -92,6 +94,7 @@ class KvchatApp(App[None]):
         self._reply: MessageView | None = None
         self._engine = EngineThread()
         self._load_note = ""
+        self._prefill_note = ""  # "reading the prompt 40%" while a long prompt is read
         self.unsaved_turns: list[int] = []  # answered but not on disk (the next save retries)
         self.handle_signals = False  # run_app sets it: SIGTERM/SIGHUP quit cleanly
 
@@ -174,6 +177,8 @@ class KvchatApp(App[None]):
         where = f"{m.device} {m.dtype}" if m and m.dtype else ""
         state = "● replying" if self.busy else "ready"
         long_state = "● replying (esc stops)" if self.busy else "ready"
+        if self.busy and self._prefill_note:
+            state = long_state = f"● {self._prefill_note}"
         kind = launch.cache_kind
         candidates = [
             ["kvchat", f"{long_state} │ {name}", where, kind, ceiling],
@@ -300,7 +305,11 @@ class KvchatApp(App[None]):
                 if system_changed:
                     backend.set_system(settings.system)
                 turn = backend.send(
-                    text, settings.sampling, on_text=on_text, should_stop=stop.is_set
+                    text,
+                    settings.sampling,
+                    on_text=on_text,
+                    should_stop=stop.is_set,
+                    on_progress=lambda done, total: post(PrefillProgress(done, total)),
                 )
             except KvchatError as exc:
                 post(EngineFailed("send", str(exc)))
@@ -311,7 +320,17 @@ class KvchatApp(App[None]):
 
         self._engine.submit(job)
 
+    def on_prefill_progress(self, message: PrefillProgress) -> None:
+        if message.total < PREFILL_NOTE_MIN_TOKENS or message.done >= message.total:
+            self._prefill_note = ""
+        else:
+            self._prefill_note = f"reading the prompt {100 * message.done // message.total}%"
+        self._show_status()
+
     async def on_reply_chunk(self, message: ReplyChunk) -> None:
+        if self._prefill_note:
+            self._prefill_note = ""
+            self._show_status()
         if self._reply is not None:
             await self._reply.append(message.text)
 
@@ -322,6 +341,7 @@ class KvchatApp(App[None]):
         self._refresh_panels()
 
     async def on_reply_done(self, message: ReplyDone) -> None:
+        self._prefill_note = ""
         turn = message.turn
         if self._reply is not None:
             notes = [count(turn.tokens, "token"), f"{turn.tokens_per_second:.1f} tok/s"]

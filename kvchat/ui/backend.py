@@ -100,8 +100,10 @@ class Backend(Protocol):
         *,
         on_text: Callable[[str], None],
         should_stop: Callable[[], bool],
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnView:
-        """Answer ``text``, streaming pieces of the reply through ``on_text``."""
+        """Answer ``text``, streaming pieces of the reply through ``on_text``;
+        ``on_progress(done, total)`` while the prompt is read."""
         ...
 
     def memory(self) -> MemorySnapshot:

@@ -94,11 +94,14 @@ class EngineBackend:
         *,
         on_text: Callable[[str], None],
         should_stop: Callable[[], bool],
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> Any:
         from kvchat.ui.backend import TurnView
 
         session = self._require_session()
-        result = session.send(text, sampling, on_text=on_text, should_stop=should_stop)
+        result = session.send(
+            text, sampling, on_text=on_text, should_stop=should_stop, on_progress=on_progress
+        )
         return TurnView(
             reply=result.reply,
             finish_reason=result.finish_reason,

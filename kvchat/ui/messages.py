@@ -9,6 +9,15 @@ from textual.message import Message
 from kvchat.ui.backend import ModelView, ResumedConversation, TurnView
 
 
+class PrefillProgress(Message):
+    """How much of a long prompt the engine has read (prefill), for the status line."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__()
+        self.done = done
+        self.total = total
+
+
 class LoadProgress(Message):
     def __init__(self, text: str) -> None:
         super().__init__()

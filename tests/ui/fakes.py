@@ -162,8 +162,11 @@ class FakeBackend:
         *,
         on_text: Callable[[str], None],
         should_stop: Callable[[], bool],
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnView:
         self._thread()
+        if on_progress is not None and len(text) > 2000:  # a long prompt: report its reading
+            on_progress(len(text) // 2, len(text))
         self.sent.append((text, sampling))
         if self.send_error:
             raise KvchatError(self.send_error)

@@ -169,3 +169,19 @@ def test_settings_refuse_a_temperature_that_is_not_a_number():
 
     with pytest.raises(ValueError, match="temperature must be between"):
         parse_settings("", "nan", "", "", "64")
+
+
+async def test_a_long_prompt_being_read_shows_in_the_status_line(make_app):
+    from kvchat.ui.messages import PrefillProgress
+
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        app.busy = True  # as while a reply is on its way
+        app.on_prefill_progress(PrefillProgress(1024, 4096))
+        assert "reading the prompt 25%" in str(app.status_text.render())
+        app.on_prefill_progress(PrefillProgress(4096, 4096))  # read: back to "replying"
+        assert "reading the prompt" not in str(app.status_text.render())
+        app.on_prefill_progress(PrefillProgress(100, 400))  # short prompts show nothing
+        assert "reading the prompt" not in str(app.status_text.render())
+        app.busy = False
