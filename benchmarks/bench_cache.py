@@ -5,7 +5,7 @@ and each hot window B (all tokens, 25 % of the context, 64) and checkpoint form 
 kv, auto), a ``ChatSession(CacheSettings(hot_window=B, checkpoint=form))`` is built, its
 cache prefilled with the context (chunks of 256, as the engine does) and ``--new-tokens``
 greedy tokens decoded with no early stop, by ``kvchat.engine.generate.generate`` with
-``before_forward=session._before_forward`` (how the session drives it). The baseline is a
+``before_forward=session.before_forward`` (how the session drives it). The baseline is a
 ``CacheSettings(kind="standard")`` session, i.e. transformers' ``DynamicCache``, driven by the
 same loop in the same run, so the ratios isolate the cache.
 
@@ -124,7 +124,7 @@ def run_config(
             at_decode["recompute_seconds"] = stats.recompute_seconds
             at_decode["recomputed_tokens"] = stats.recomputed_tokens
             at_decode["scratch_peak_bytes"] = stats.scratch_peak_bytes
-        session._before_forward(n_new)
+        session.before_forward(n_new)
         calls.append(time.perf_counter())
 
     try:

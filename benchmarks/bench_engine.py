@@ -110,7 +110,7 @@ def run_kvchat(
     calls: list[float] = []
 
     def before_forward(n_new: int) -> None:
-        session._before_forward(n_new)
+        session.before_forward(n_new)
         calls.append(time.perf_counter())
 
     try:
@@ -164,7 +164,7 @@ def run_lockstep(loaded: Any, prompt: list[int], new_tokens: int, chunk: int) ->
     with torch.inference_mode():
         for name, session in sessions.items():
             logits = prefill(
-                loaded.model, session.cache, prompt, loaded.device, chunk, session._before_forward
+                loaded.model, session.cache, prompt, loaded.device, chunk, session.before_forward
             )
             nxt[name] = int(torch.argmax(logits).item())
             session.close()
@@ -194,7 +194,7 @@ def run_lockstep(loaded: Any, prompt: list[int], new_tokens: int, chunk: int) ->
                             session.cache,
                             [nxt[name]],
                             loaded.device,
-                            session._before_forward,
+                            session.before_forward,
                         )
                         nxt[name] = int(torch.argmax(logits).item())
                         times[name].append(time.perf_counter() - t0)

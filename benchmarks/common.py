@@ -209,7 +209,7 @@ def interleaved_decode(loaded: Any, entries: dict[str, Any], steps: int) -> dict
                 token = state[name]
                 t0 = time.perf_counter()
                 logits = forward(
-                    loaded.model, session.cache, [token], loaded.device, session._before_forward
+                    loaded.model, session.cache, [token], loaded.device, session.before_forward
                 )
                 state[name] = int(torch.argmax(logits).item())
                 times[name].append(time.perf_counter() - t0)

@@ -310,7 +310,7 @@ class ChatSession:
         to_feed = (self.token_ids + new_ids)[self.cache.get_seq_length() :]
         try:
             sampling = self._fit_context(len(self.token_ids) + len(new_ids), sampling)
-            self._before_forward(len(to_feed))  # refuse a prompt that cannot fit, feed nothing
+            self.before_forward(len(to_feed))  # refuse a prompt that cannot fit, feed nothing
             prefill_chunk = self._prefill_chunk(len(to_feed) + sampling.max_new_tokens)
         except KvchatError:
             self.messages.pop()
@@ -345,7 +345,7 @@ class ChatSession:
                 settings=sampling,
                 stop_ids=self.stop_ids(),
                 prefill_chunk=prefill_chunk,
-                before_forward=self._before_forward,
+                before_forward=self.before_forward,
                 on_token=on_token,
                 should_stop=should_stop,
                 on_progress=on_progress,

@@ -131,7 +131,7 @@ class StreamedAttention:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
         adapter = cache.adapter
-        self.modules = [adapter._attention(i) for i in range(adapter.num_layers)]
+        self.modules = [adapter.attention_module(i) for i in range(adapter.num_layers)]
         self.configs = []
         for module in self.modules:
             if all(module.config is not c for c in self.configs):

@@ -72,7 +72,7 @@ def watch_resident(session: ChatSession) -> list[int]:
     the end of every forward call, from the engine's own accounting."""
     seen: list[int] = []
     cache = session.cache
-    original = session._before_forward
+    original = session.before_forward
 
     def measured(n_new: int) -> None:
         seen.append(
@@ -84,7 +84,7 @@ def watch_resident(session: ChatSession) -> list[int]:
         original(n_new)
         seen.append(cache.hot_bytes() + cache.checkpoint_bytes() + 8 * len(session.token_ids))
 
-    session._before_forward = measured
+    session.before_forward = measured
     return seen
 
 
