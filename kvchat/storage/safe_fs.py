@@ -155,3 +155,21 @@ def tighten_dir(path: Path) -> None:
             os.chmod(path, PRIVATE_DIR_MODE)
     except OSError:
         pass
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path``, links not followed."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
+    total = 0
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return 0
+    for entry in entries:
+        total += tree_bytes(Path(entry.path))
+    return total

@@ -19,11 +19,10 @@ import os
 import re
 import secrets
 import shutil
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchat.storage.safe_fs import ensure_private_dirs, is_symlink, make_private_dir
+from kvchat.storage.safe_fs import ensure_private_dirs, is_symlink, make_private_dir, tree_bytes
 
 SPILL_DIR_NAME = "spill"
 
@@ -45,24 +44,6 @@ class SpillFolder:
 def spill_root(data_dir: str | os.PathLike[str]) -> Path:
     """``<data dir>/spill``."""
     return Path(data_dir) / SPILL_DIR_NAME
-
-
-def _tree_bytes(path: Path) -> int:
-    """Bytes of the regular files under ``path``, links not followed."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return 0
-    if not stat.S_ISDIR(st.st_mode):
-        return st.st_size if stat.S_ISREG(st.st_mode) else 0
-    total = 0
-    try:
-        entries = list(os.scandir(path))
-    except OSError:
-        return 0
-    for entry in entries:
-        total += _tree_bytes(Path(entry.path))
-    return total
 
 
 def _process_started_after(pid: int, moment: float) -> bool:
@@ -110,7 +91,7 @@ def spill_folders(data_dir: str | os.PathLike[str]) -> list[SpillFolder]:
         match = _SESSION_RE.match(entry.name)
         pid = int(match.group(1)) if match else None
         stale = pid is not None and _owner_gone(pid, path)
-        out.append(SpillFolder(path, pid, stale, _tree_bytes(path)))
+        out.append(SpillFolder(path, pid, stale, tree_bytes(path)))
     return out
 
 
@@ -141,7 +122,7 @@ def sweep_stale_spill(data_dir: str | os.PathLike[str]) -> int:
                 pass
             continue
         shutil.rmtree(folder.path, ignore_errors=True)
-        freed += folder.nbytes - _tree_bytes(folder.path)
+        freed += folder.nbytes - tree_bytes(folder.path)
     return freed
 
 

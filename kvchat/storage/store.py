@@ -68,6 +68,7 @@ from kvchat.storage.safe_fs import (
     is_symlink,
     make_private_dir,
     read_regular,
+    tree_bytes,
 )
 from kvchat.storage.text import escape_json_for_terminal, safe_markdown_text, safe_terminal_text
 
@@ -129,23 +130,6 @@ def _new_id() -> str:
     (so two conversations created in the same second do not collide)."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     return f"{stamp}-{secrets.token_hex(2)}"
-
-
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    try:
-        entries = list(os.scandir(path))
-    except OSError:
-        return 0
-    for entry in entries:
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                total += _tree_bytes(Path(entry.path))
-            else:
-                total += entry.stat(follow_symlinks=False).st_size
-        except OSError:
-            pass
-    return total
 
 
 def _unlink_quietly(path: Path) -> None:
@@ -652,7 +636,7 @@ class ConversationStore:
 
     def _summarize(self, path: Path, cid: str) -> ConversationSummary:
         linked = is_symlink(path)
-        size = 0 if linked else _tree_bytes(path)
+        size = 0 if linked else tree_bytes(path)
         try:
             _check_conversation_dir(path, cid)
             manifest = _read_manifest(path, cid)
@@ -828,9 +812,9 @@ def _planted_lock(path: Path) -> bool:
 
 def _remove_tree(path: Path) -> int:
     """rmtree, best effort; returns the bytes that are gone."""
-    before = _tree_bytes(path)
+    before = tree_bytes(path)
     shutil.rmtree(path, ignore_errors=True)
-    return before - (_tree_bytes(path) if os.path.lexists(path) else 0)
+    return before - (tree_bytes(path) if os.path.lexists(path) else 0)
 
 
 def _mismatch_message(
