@@ -70,12 +70,13 @@ def snapshot(session: ChatSession) -> dict[str, Any]:
         scratch = cache.stats.scratch_peak_bytes
         hot_tokens = cache.hot_tokens()
         recompute = cache.stats.recompute_seconds
+        read_back = cache.stats.read_seconds
         hot_window = cache.hot_window
     else:
         hot = _standard_cache_bytes(cache)
         ckpt = scratch = 0
         hot_tokens = n_tokens
-        recompute = 0.0
+        recompute = read_back = 0.0
         hot_window = None
     compute = session.compute_seconds
     state = hot + ckpt + scratch + token_bytes
@@ -103,6 +104,8 @@ def snapshot(session: ChatSession) -> dict[str, Any]:
         "recompute_seconds": round(recompute, 4),
         "compute_seconds": round(compute, 4),
         "recompute_share": round(recompute / compute, 4) if compute > 0 else 0.0,
+        "read_back_seconds": round(read_back, 4),
+        "read_back_share": round(read_back / compute, 4) if compute > 0 else 0.0,
     }
 
 
@@ -118,8 +121,9 @@ def format_memory_line(mem: dict[str, Any]) -> str:
     ratio = f" ({mem['state_bytes'] / standard:.2f}x)" if standard else ""
     return (
         f"[mem] state {state} vs standard cache {human_bytes(standard)}{ratio} | "
-        f"{mem['tokens']} tokens: {mem['hot_tokens']} hot, {mem['checkpointed_tokens']} "
-        f"checkpointed{_disk_note(mem)} | recompute {100 * mem['recompute_share']:.0f}% of time | "
+        f"{mem['tokens']} token{'' if mem['tokens'] == 1 else 's'}: {mem['hot_tokens']} hot, {mem['checkpointed_tokens']} "
+        f"checkpointed{_disk_note(mem)} | recompute {100 * mem['recompute_share']:.0f}%, "
+        f"read back {100 * mem.get('read_back_share', 0.0):.0f}% of time | "
         f"weights {human_bytes(mem['weights_bytes'])}, RSS {human_bytes(mem['rss_bytes'])}"
     )
 
