@@ -119,9 +119,10 @@ def format_memory_line(mem: dict[str, Any]) -> str:
         state += f" / {human_bytes(ceiling)} ceiling"
     standard = mem["standard_equivalent_bytes"]
     ratio = f" ({mem['state_bytes'] / standard:.2f}x)" if standard else ""
+    tokens = f"{mem['tokens']} token{'' if mem['tokens'] == 1 else 's'}"
     return (
         f"[mem] state {state} vs standard cache {human_bytes(standard)}{ratio} | "
-        f"{mem['tokens']} token{'' if mem['tokens'] == 1 else 's'}: {mem['hot_tokens']} hot, {mem['checkpointed_tokens']} "
+        f"{tokens}: {mem['hot_tokens']} hot, {mem['checkpointed_tokens']} "
         f"checkpointed{_disk_note(mem)} | recompute {100 * mem['recompute_share']:.0f}%, "
         f"read back {100 * mem.get('read_back_share', 0.0):.0f}% of time | "
         f"weights {human_bytes(mem['weights_bytes'])}, RSS {human_bytes(mem['rss_bytes'])}"
