@@ -681,6 +681,8 @@ class KVDirectCache(Cache):
         self.kv_window = plan.kv_window
         self.checkpoint_budget = plan.checkpoint_budget
         self.enable_streaming(plan.stream_chunk)
+        if plan.stream_chunk is not None or not plan.disk_tier:
+            self.release_buffers()  # only the whole-K/V read-back path uses them
         self.decode_stream_chunk = plan.decode_stream_chunk or plan.stream_chunk
         self._budget_need_total = max(1, sum(map(_need, self.layers)))
         for layer in self.layers:

@@ -79,7 +79,11 @@ def snapshot(session: ChatSession) -> dict[str, Any]:
         recompute = read_back = 0.0
         hot_window = None
     compute = session.compute_seconds
-    state = hot + ckpt + scratch + token_bytes
+    # State now: what is held plus the last forward call's scratch, all at the same moment
+    # (the session-long scratch peak is reported beside it, not added to a later hot window).
+    step_scratch = cache.stats.step_scratch_bytes if settings.kind == "kvdirect" else 0
+    state = hot + ckpt + step_scratch + token_bytes
+    peak = max(state, getattr(session, "state_peak_bytes", 0))
     return {
         "cache": settings.kind,
         "checkpoint": _checkpoint_label(session),
@@ -92,6 +96,7 @@ def snapshot(session: ChatSession) -> dict[str, Any]:
         "scratch_peak_bytes": scratch,
         "token_id_bytes": token_bytes,
         "state_bytes": state,
+        "state_peak_bytes": peak,
         "standard_equivalent_bytes": session.loaded.footprint.standard_cache_bytes(n_tokens),
         "ceiling_bytes": settings.max_mem,
         "disk_bytes": session.disk_bytes(),

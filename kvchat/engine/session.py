@@ -107,6 +107,7 @@ class ChatSession:
         self._cache_broken = False  # a forward call failed half way: rebuild before reuse
         self.spill_root: Path | None = spill_root  # where the disk tier spills (data dir)
         self.plan: Any = None  # the planner's last Plan (kvdirect under a ceiling)
+        self.state_peak_bytes = 0  # the most resident state held at once (see memory.py)
         self._build_cache()
 
     # -- cache ---------------------------------------------------------------------------
@@ -166,12 +167,22 @@ class ChatSession:
         self._before_forward(n_new)
 
     def _before_forward(self, n_new: int) -> None:
+        self._note_state_peak()
         if self.planner is None:
             if self.cache_settings.max_mem is not None:
                 self._check_standard_ceiling(n_new)
             return
         self.plan = self._plan(self.cache.get_seq_length() + n_new)
         self.cache.apply_plan(self.plan)
+
+    def _note_state_peak(self) -> None:
+        """Resident state as the last forward call left it, held all at once (hot K/V,
+        resident checkpoints, token ids and that call's scratch): the peak the ceiling bounds."""
+        stats = getattr(self.cache, "stats", None)
+        if stats is None:
+            return
+        now = self.cache.hot_bytes() + self.cache.checkpoint_bytes() + stats.step_scratch_bytes
+        self.state_peak_bytes = max(self.state_peak_bytes, now + 8 * len(self.token_ids))
 
     def _plan(self, n_tokens: int) -> Any:
         """The planner's plan for ``n_tokens``, its hot window capped by --hot-window."""
