@@ -403,6 +403,15 @@ class ChatSession:
             save_error=save_error,
         )
 
+    def seed_history(self, messages: list[dict[str, str]]) -> None:
+        """Start from earlier turns known only as text (a client's own history): they are
+        prefilled with the next message and saved with it, so a new saved conversation
+        holds them all."""
+        if self.messages or self.token_ids:
+            raise KvchatError("a history can only seed a session that has not spoken yet")
+        self.messages = [dict(m) for m in messages]
+        self._unsaved_messages = [dict(m) for m in messages]
+
     # -- persistence ---------------------------------------------------------------------
     def attach_conversation(self, conversation: Any) -> None:
         """Save every turn from now on into ``conversation`` (an open, locked store entry)."""

@@ -202,14 +202,12 @@ class EngineWorker:
                 data_dir=self.data_dir,
                 cache=self.cache,
                 system=request.system,
-                save=not request.history,
             )
             if request.history:
-                # A history no saved conversation holds: answer from its text (what other
-                # servers always do), unsaved, since the store keeps whole conversations.
-                session.messages = [dict(m) for m in request.history]
-        if session.conversation is not None or not request.history:
-            self._active = session
+                # A history no saved conversation holds (an edited reply, a branch): it is
+                # prefilled from its text once and saved whole as a new conversation.
+                session.seed_history(request.history)
+        self._active = session
         return session
 
     def _resume(self, conversation_id: str) -> ChatSession | None:

@@ -96,15 +96,22 @@ def test_a_stop_sequence_ends_the_reply_before_it(server):
     assert cut.choices[0].finish_reason == "stop"
 
 
-def test_a_history_no_conversation_holds_is_answered_from_text_unsaved(server):
+def test_a_history_no_conversation_holds_starts_a_new_saved_conversation(server):
     messages = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "An answer this server never gave."},
         {"role": "user", "content": "Go on."},
     ]
     headers, reply = ask(server.client(), messages)
-    assert "x-kvchat-conversation" not in headers
-    assert reply.kvchat["saved"] is False and reply.choices[0].message.content
+    assert reply.kvchat["saved"] is True and reply.choices[0].message.content
+    conversation = reply.kvchat["conversation"]
+    assert conversation
+    # The next turn continues from its files: only the new message is fed.
+    follow = [*messages, {"role": "assistant", "content": reply.choices[0].message.content},
+              {"role": "user", "content": "Thanks."}]  # fmt: skip
+    _, again = ask(server.client(), follow)
+    assert again.kvchat["conversation"] == conversation
+    assert again.kvchat["prefilled_tokens"] < again.usage.prompt_tokens / 2
 
 
 @pytest.mark.parametrize(
