@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvchat.errors import KvchatError
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -35,7 +37,7 @@ SUPPORTED_MODEL_TYPES = (
 )
 
 
-class UnsupportedArchitectureError(ValueError):
+class UnsupportedArchitectureError(KvchatError, ValueError):
     pass
 
 
@@ -46,6 +48,25 @@ class LayerSpec:
     index: int
     sliding_window: int | None  # tokens DynamicCache keeps for this layer (None: all)
     layer_type: str
+
+
+# RoPE types whose frequencies depend on the longest position of the call (and are kept on
+# the shared rotary module): a replayed group could get other frequencies than it had.
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _refuse_position_dependent_rope(config: Any) -> None:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    groups = params.values() if isinstance(params, dict) and "rope_type" not in params else [params]
+    for group in groups:
+        if not isinstance(group, dict):
+            continue
+        kind = group.get("rope_type") or group.get("type")
+        if kind in POSITION_DEPENDENT_ROPE or (kind == "yarn" and group.get("dynamic")):
+            raise UnsupportedArchitectureError(
+                f"this model's RoPE scaling ({kind}) changes with the context length, so "
+                "recomputed K/V could differ from the cached ones; use --cache standard"
+            )
 
 
 def _decoder_backbone(model: nn.Module) -> nn.Module:
@@ -71,6 +92,7 @@ class ArchAdapter:
                 f"KV-Direct has no adapter for model type '{self.model_type}' "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use --cache standard"
             )
+        _refuse_position_dependent_rope(self.config)
         self.backbone = _decoder_backbone(model)
         self.decoder_layers = list(getattr(self.backbone, "layers", None) or self.backbone.h)
         layer_types, kwargs = get_layer_types_and_kwargs(self.config)

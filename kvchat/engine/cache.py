@@ -192,8 +192,18 @@ class KVDirectLayer(CacheLayerMixin):
             if self.owner.stream_chunk is not None:
                 # Too big to hold at once: attention fetches it chunk by chunk (see
                 # streamed_attention.py); we hand over only what is hot.
+                module = self.owner.adapter.attention_module(self.layer_idx)
+                implementation = str(getattr(module.config, "_attn_implementation", ""))
+                if not implementation.startswith("kvdirect_"):
+                    # The model's own attention would see only the hot K/V: refuse loudly
+                    # (someone called set_attn_implementation on the shared model).
+                    raise RuntimeError(
+                        f"layer {self.layer_idx}: streamed attention is not installed "
+                        f"(attention implementation {implementation!r}); the cold K/V would "
+                        "be skipped"
+                    )
                 self.pending_cold = (visible_from, hot_from)
-                self.owner.adapter.attention_module(self.layer_idx)._kvdirect_layer = self
+                module._kvdirect_layer = self
             else:
                 for cold_k, cold_v in self.iter_cold_kv(visible_from, hot_from, READ_CHUNK_ROWS):
                     parts_k.append(cold_k)

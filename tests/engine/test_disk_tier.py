@@ -235,3 +235,13 @@ def test_gemma3_past_its_sliding_window_under_the_disk_tier(gemma270m_loaded, tm
     assert session.cache.get_seq_length() > 512 and session.plan.disk_tier
     assert max(seen) <= 3_000_000, f"resident state reached {max(seen)} bytes"
     session.close()
+
+
+def test_streamed_path_refuses_when_its_attention_was_swapped_out(tmp_path):
+    """A wrong combination fails loudly instead of attending over the hot K/V alone."""
+    model = tiny_model("llama")
+    cache = disk_cache(model, tmp_path, stream_chunk=8)
+    model.set_attn_implementation("sdpa")  # what lab/eviction does on a shared model
+    with pytest.raises(RuntimeError, match="streamed attention is not installed"):
+        run_conversation(model, cache)
+    cache.close()
