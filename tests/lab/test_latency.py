@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -60,7 +61,10 @@ def test_recompute_is_exact_and_claims_are_decided(outcome):
     exact = names["recomputed K/V equal the cached K/V bit for bit (timed paths)"]
     assert exact.held is True, exact.evidence
     paper = next(c for n, c in names.items() if n.startswith("recompute is up to 5x faster"))
-    assert paper.held in (True, False) and "memory" in paper.evidence
+    assert "memory" in paper.evidence
+    if os.environ.get("KVCHAT_TEST_DEVICE", "cpu") == "cpu":
+        # Measured here every time: recompute is 25-100x slower than reading back.
+        assert paper.held is False, paper.evidence
 
 
 def test_figure_and_report(outcome):
