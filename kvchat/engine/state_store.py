@@ -272,7 +272,7 @@ class RowStore:
             raise StorageError(
                 f"{p.disk.file.path} changed under this session (checksum mismatch in "
                 f"layer {self.layer_idx}'s rows {p.start}-{p.end}); the turns saved before "
-                "stay usable: resume the conversation again (kvchat repair ID if it fails)"
+                "stay usable: resume the conversation again"
             )
 
     def read_bytes(self, pieces: list[Piece]) -> int:
