@@ -279,9 +279,6 @@ class RowStore:
         return sum(p.disk.nbytes for p in pieces if p.resident is None)
 
     # -- moving between tiers -------------------------------------------------------------
-    def resident_pieces(self) -> list[Piece]:
-        return self.pieces[self._first_resident :]
-
     def move_out(self, excess: int, spill: Any) -> int:
         """Move the oldest resident pieces out until ``excess`` bytes are freed. Rows already
         in a saved segment are just re-pointed; others are written to ``spill`` in one run.
