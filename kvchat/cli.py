@@ -19,7 +19,7 @@ import json
 import math
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import click
@@ -771,6 +771,79 @@ def resume(ctx: click.Context, conversation_id: str, **opts: Any) -> None:
     app_opts = {**opts, "system": None, "conversation_id": conversation_id}
     _check_conversation(app_opts)  # a bad id fails here, not after the model loads
     _run_app(app_opts)
+
+
+@cli.command()
+@click.argument("conversation_id")
+@click.option(
+    "--model",
+    "-m",
+    default=None,
+    help="The model it was saved with (default: the one its file names).",
+)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU threads (default: physical cores).",
+)
+@data_dir_option
+def repair(conversation_id: str, **opts: Any) -> None:  # fmt: skip
+    """Rebuild a conversation's damaged segments from its saved token ids, exactly."""
+    from kvchat.engine.repair import damaged_turns
+    from kvchat.engine.repair import repair as rebuild
+
+    store = _store(opts)
+    try:
+        cid = store.check_not_open(conversation_id)
+        with store.open(cid) as conversation:  # which model, before loading one
+            manifest = conversation.manifest
+            if not damaged_turns(conversation):
+                click.echo(f"conversation {cid} has no damaged segment; nothing to repair")
+                return
+        loaded = _load(
+            {
+                **opts,
+                "model": opts["model"] or manifest.model.name,
+                "dtype": manifest.model.dtype,
+                "weights": manifest.settings.get("weights", "auto"),
+            }
+        )
+        with (
+            _exit_on_termination(),
+            store.open(
+                cid,
+                fingerprint=loaded.fingerprint,
+                dtype=loaded.dtype,
+                model_name=loaded.name,
+                weights=loaded.weights_mode,
+            ) as conversation,
+        ):
+            turns = damaged_turns(conversation)
+            _note(f"rebuilding {_numbered('turn', turns)} of {cid} from its token ids")
+            outcome = rebuild(
+                loaded,
+                conversation,
+                spill_root=store.root,
+                on_turn=lambda done, total: _note(f"replayed turn {done} of {total}"),
+            )
+    except KeyboardInterrupt:
+        _note("interrupted; nothing was changed")
+        sys.exit(EXIT_INTERRUPTED)
+    except KvchatError as exc:
+        _fail(exc)
+    checked = ""
+    if outcome.verified:
+        checked = f"; checked against the intact {_numbered('turn', outcome.verified)}: identical"
+    click.echo(
+        f"repaired conversation {cid}: rebuilt {_numbered('turn', outcome.rebuilt)}{checked}"
+    )
+
+
+def _numbered(noun: str, numbers: Sequence[int]) -> str:
+    """``turn 2``, ``turns 1, 3``."""
+    return f"{noun}{'s' if len(numbers) > 1 else ''} {', '.join(str(n) for n in numbers)}"
 
 
 @cli.command()
