@@ -58,6 +58,7 @@ from kvchat.errors import NeedsDiskTierError, StorageError
 if TYPE_CHECKING:
     from kvchat.engine.arch import ArchAdapter
     from kvchat.engine.planner import Plan
+    from kvchat.engine.streamed_attention import StreamedAttention
 
 CHECKPOINT_FORMS = ("residual", "kv", "auto")
 MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
@@ -588,7 +589,7 @@ class KVDirectCache(Cache):
         self.spill_root: Path | None = None
         self.spill: SpillArea | None = None
         self._row_files: dict[str, RowFile] = {}
-        self._attention_patch: Any = None
+        self._attention_patch: StreamedAttention | None = None
         self._budget_need_total = 0
         self._buffers: dict[str, torch.Tensor] = {}
         self.spill_error: StorageError | None = None  # a failed move to disk, reported next call
@@ -627,7 +628,7 @@ class KVDirectCache(Cache):
         if chunk is not None and self._attention_patch is None:
             from kvchat.engine.streamed_attention import StreamedAttention
 
-            self._attention_patch = StreamedAttention(self)
+            self._attention_patch = StreamedAttention(self.adapter)
 
     # -- reusable scratch ----------------------------------------------------------------
     def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
