@@ -438,7 +438,7 @@ class KVDirectLayer(CacheLayerMixin):
             i = j
 
     def _kv_windows(
-        self, pieces: list[Piece], device: Any, begin: int, end: int, chunk_rows: int
+        self, pieces: list[Piece], device: torch.device, begin: int, end: int, chunk_rows: int
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """K/V pieces in windows of ``chunk_rows`` positions counted from ``begin``,
         whatever the pieces' own boundaries: streamed attention then sums in the same
@@ -470,7 +470,7 @@ class KVDirectLayer(CacheLayerMixin):
             yield torch.cat(window_k, dim=-2), torch.cat(window_v, dim=-2)
 
     def _in_parts(
-        self, piece: Piece, device: Any, begin: int, end: int, chunk_rows: int
+        self, piece: Piece, device: torch.device, begin: int, end: int, chunk_rows: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
         cuts = list(range(chunk_rows, piece.rows, chunk_rows))
@@ -631,7 +631,9 @@ class KVDirectCache(Cache):
             self._attention_patch = StreamedAttention(self.adapter)
 
     # -- reusable scratch ----------------------------------------------------------------
-    def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    def _buffer(
+        self, name: str, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         held = self._buffers.get(name)
         if held is None or held.numel() < numel or held.dtype != dtype or held.device != device:
             held = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
