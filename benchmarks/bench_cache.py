@@ -149,8 +149,10 @@ def run_config(
         ),
         "scratch_peak_prefill_bytes": at_decode.get("scratch_peak_bytes", 0),
         "forms": label,
-        "hot_window": mem["hot_window"],
-        "memory": {k: v for k, v in mem.items() if k.endswith("_bytes") or k.endswith("tokens")},
+        "hot_window": mem.hot_window,
+        "memory": {
+            k: v for k, v in mem.to_dict().items() if k.endswith("_bytes") or k.endswith("tokens")
+        },
         "storage_bytes_held": held,
         "tokens": outcome.tokens,
         **extra,

@@ -83,7 +83,7 @@ def build(loaded: Any, root: Path, settings: Any, text: str, reply_tokens: int) 
             "prompt_tokens": result.prompt_tokens,
             "segment_bytes": sum(t.segment.nbytes for t in conversation.manifest.turns),
             "forms": sorted(set(session.forms or [])),
-            "memory_after_build": result.memory,
+            "memory_after_build": result.memory.to_dict(),
             "build_seconds": time.perf_counter() - t0,
         }
     finally:
@@ -115,9 +115,9 @@ def run_resume(loaded: Any, root: Path, settings: Any, conv: dict[str, Any]) -> 
         session.close()
     return {
         "seconds": seconds,
-        "state_bytes": memory["state_bytes"],
-        "hot_tokens": memory["hot_tokens"],
-        "disk_tier": memory["disk_tier"],
+        "state_bytes": memory.state_bytes,
+        "hot_tokens": memory.hot_tokens,
+        "disk_tier": memory.disk_tier,
     }
 
 
@@ -146,7 +146,7 @@ def run_resume_first(
         "resume_seconds": resumed - t0,
         "token": result.tokens[0],
         "fed_ids": fed,
-        "recompute_share": result.memory["recompute_share"],
+        "recompute_share": result.memory.recompute_share,
     }
 
 

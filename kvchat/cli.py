@@ -20,11 +20,17 @@ import math
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvchat.errors import KvchatError
+
+if TYPE_CHECKING:
+    from kvchat.engine.footprint import ModelFootprint
+    from kvchat.engine.session import ChatSession, LoadedModel, TurnResult
+    from kvchat.engine.settings import CacheSettings, SamplingSettings
+    from kvchat.storage import ConversationStore
 
 DEVICES = ["auto", "cpu", "cuda", "mps"]
 DTYPES = ["float32", "bfloat16", "float16", "auto"]
@@ -194,14 +200,14 @@ def _check_conversation(opts: dict[str, Any]) -> None:
         _fail(exc)
 
 
-def _store(opts: dict[str, Any]):
+def _store(opts: dict[str, Any]) -> ConversationStore:
     from kvchat.paths import data_dir
     from kvchat.storage import ConversationStore
 
     return ConversationStore(data_dir(opts.get("data_dir")))
 
 
-def _load(opts: dict[str, Any], quiet: bool = False):
+def _load(opts: dict[str, Any], quiet: bool = False) -> LoadedModel:
     from kvchat.engine.loader import load
     from kvchat.engine.models import DEFAULT_MODEL
 
@@ -216,7 +222,7 @@ def _load(opts: dict[str, Any], quiet: bool = False):
     )
 
 
-def _cache_settings(opts: dict[str, Any]):
+def _cache_settings(opts: dict[str, Any]) -> CacheSettings:
     from kvchat.engine.settings import CacheSettings
 
     return CacheSettings(
@@ -362,7 +368,7 @@ def _read_prompts(opts: dict[str, Any]) -> list[str]:
     return prompts
 
 
-def _open_run_session(opts: dict[str, Any]) -> Any:
+def _open_run_session(opts: dict[str, Any]) -> ChatSession:
     """Load the model and open the conversation; Ctrl-C here exits 130, errors exit 1."""
     as_json = opts["as_json"]
     try:
@@ -390,7 +396,9 @@ def _open_run_session(opts: dict[str, Any]) -> Any:
         _fail(exc)
 
 
-def _answer(session: Any, prompts: list[str], sampling: Any, as_json: bool) -> int:
+def _answer(
+    session: ChatSession, prompts: list[str], sampling: SamplingSettings, as_json: bool
+) -> int:
     """Answer each prompt in turn; returns the exit status."""
     from kvchat.engine.memory import format_memory_line
 
@@ -444,7 +452,7 @@ def _turns(numbers: list[int]) -> str:
     return f"turns {numbers[0]}-{numbers[-1]} are"
 
 
-def _saved_note(session: Any) -> str:
+def _saved_note(session: ChatSession) -> str:
     conversation = session.conversation
     if conversation is None:
         return "nothing was saved"
@@ -455,7 +463,9 @@ def _saved_note(session: Any) -> str:
     )
 
 
-def _turn_json(turn: int, prompt: str, result: Any, conversation: str | None) -> dict[str, Any]:
+def _turn_json(
+    turn: int, prompt: str, result: TurnResult, conversation: str | None
+) -> dict[str, Any]:
     return {
         "conversation": conversation,
         "turn": turn,
@@ -469,7 +479,7 @@ def _turn_json(turn: int, prompt: str, result: Any, conversation: str | None) ->
         "prefill_seconds": round(result.prefill_seconds, 4),
         "decode_seconds": round(result.decode_seconds, 4),
         "decode_tokens_per_second": round(result.decode_tokens_per_second, 2),
-        "memory": result.memory,
+        "memory": result.memory.to_dict(),
     }
 
 
@@ -541,7 +551,7 @@ def inspect(
             click.echo(_render_costs(costs))
 
 
-def _measured_costs(fp: Any, dtype: str, data_dir: str | None) -> dict[str, Any]:
+def _measured_costs(fp: ModelFootprint, dtype: str, data_dir: str | None) -> dict[str, Any]:
     """Read and recompute costs on this CPU and the data dir's disk (cached after once)."""
     from dataclasses import asdict
 

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvchat.engine.memory_snapshot import MemorySnapshot
 from kvchat.engine.session import ChatSession, LoadedModel
 from kvchat.engine.settings import CacheSettings
+
+if TYPE_CHECKING:
+    from kvchat.storage import Conversation
 
 
 def open_session(
@@ -51,7 +55,7 @@ def open_session(
     session = ChatSession(loaded, system=system, cache=cache, spill_root=root)
     if save:
 
-        def create() -> Any:
+        def create() -> Conversation:
             conversation = store.create(
                 model_name=loaded.name,
                 fingerprint=loaded.fingerprint,
@@ -74,5 +78,5 @@ def resumed_view(session: ChatSession) -> dict[str, Any]:
         "title": manifest.title,
         "messages": [dict(m) for m in manifest.messages],
         "system": session.system,
-        "memory_history": [t.extra.get("memory", {}) for t in manifest.turns],
+        "memory_history": [MemorySnapshot.from_dict(t.extra.get("memory")) for t in manifest.turns],
     }
