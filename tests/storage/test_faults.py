@@ -229,7 +229,7 @@ def test_interrupt_right_after_the_journal_fsync_counts_as_saved(conv_with_two_t
     """The record's fsync is the commit point: an interrupt after it must not delete the
     segment the record names, and the handle must adopt the new turn."""
     store, conv = conv_with_two_turns
-    faulty = InterruptAfterFsync("journal", KeyboardInterrupt())
+    faulty = InterruptAfterFsync("journal", KeyboardInterrupt(), on="fsync")
     monkeypatch.setattr(atomic, "os", faulty)
     with pytest.raises(KeyboardInterrupt):
         turn(conv, 3)

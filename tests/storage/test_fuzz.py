@@ -78,6 +78,13 @@ ORIGINAL: dict = {}
 """Each damaged-to-be conversation as saved, to compare what a damaged one reads as."""
 
 
+def restore(store: ConversationStore, cid: str, pristine: Path) -> Path:
+    path = store.conversations_dir / cid
+    shutil.rmtree(path)
+    shutil.copytree(pristine, path)
+    return path
+
+
 KINDS = ("journal", "old", "migrated")
 JOURNAL_KINDS = ("journal", "migrated")
 
