@@ -156,30 +156,12 @@ def _checked_ids(token_ids: Any) -> list[int]:
     return [operator.index(t) for t in token_ids]
 
 
-def _with_turn(
-    old: Manifest,
-    messages: list[dict[str, Any]],
-    token_ids: list[int],
-    turn: Turn,
-    state: dict[str, Any],
-) -> Manifest:
-    """``old`` plus one turn, as a new object: ``old`` stays what is on disk until the save
-    commits. (Copying the lists is a memcpy of pointers; the disk is what must not grow.)"""
-    all_messages = old.messages + messages
-    title = old.title
-    if not title:
-        first_user = next((m for m in all_messages if m["role"] == "user"), None)
-        title = make_title(first_user["content"]) if first_user else ""
-    return dataclasses.replace(
-        old,
-        title=title,
-        updated=utc_now(),
-        messages=all_messages,
-        token_ids=old.token_ids + token_ids,
-        turns=[*old.turns, turn],
-        engine_state=state,
-        format_version=FORMAT_VERSION,
-    )
+def _title(old: Manifest, messages: list[dict[str, Any]]) -> str:
+    """The title once the turn is saved: set from the first user message, then kept."""
+    if old.title:
+        return old.title
+    first_user = next((m for m in [*old.messages, *messages] if m["role"] == "user"), None)
+    return make_title(first_user["content"]) if first_user else ""
 
 
 def _new_id() -> str:
@@ -324,8 +306,7 @@ def _holds(path: Path, at: int, record: bytes) -> bool:
 
 @dataclass(frozen=True)
 class _Saved:
-    """What is on disk, as one value: replaced in a single assignment once a save commits,
-    so an interrupt can never leave the manifest and the journal's end disagreeing."""
+    """What is on disk: the manifest, and where the journal ends (the next record's offset)."""
 
     manifest: Manifest
     journal: _Journal | None
@@ -333,10 +314,18 @@ class _Saved:
 
 @dataclass
 class _Save:
-    """One save in progress, for deciding after a failure whether it committed."""
+    """One save in progress: what the turn adds, and how far writing it got (to decide,
+    after a failure, whether it committed)."""
 
     seg_path: Path
-    new: _Saved
+    turn: Turn
+    messages: list[dict[str, Any]]
+    token_ids: list[int]
+    title: str
+    updated: str
+    state: dict[str, Any]
+    n_messages_before: int
+    journal: _Journal | None = None  # where the journal ends once this save commits
     record: bytes = b""
     header: str = ""
     progress: atomic.AppendProgress = dataclasses.field(default_factory=atomic.AppendProgress)
@@ -355,12 +344,14 @@ class Conversation:
         self.path = Path(path)
         self.id = self.path.name
         self._saved = _Saved(manifest, journal)
+        self._adopting: _Save | None = None
         self._lock = lock
         self._mutex = threading.RLock()
 
     @property
     def manifest(self) -> Manifest:
-        """Everything saved so far (replaced, never changed in place, by each save)."""
+        """Everything saved so far. The same object all along: each save that commits
+        extends it in place (copying it would make a save cost the whole conversation)."""
         return self._saved.manifest
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -408,11 +399,13 @@ class Conversation:
         the previous turn; so on any failure it still is. The first save of a conversation
         of the old format rewrites its manifest once instead (see ``_migrate``). OSErrors
         (disk full...) become SaveFailedError; KeyboardInterrupt is re-raised after the
-        same cleanup. ``self.manifest`` only changes once the turn is on disk, so a failed
-        call can simply be retried.
+        same cleanup. ``self.manifest`` only changes (in place) once the turn is on disk,
+        so a failed call can simply be retried.
         """
         with self._mutex:
             self._check_open()
+            if self._adopting is not None:  # a second interrupt cut the last adoption short
+                self._adopt(self._adopting)
             new_messages = _checked_messages(messages)
             new_ids = _checked_ids(token_ids)
             extra_copy = _json_dict(extra or {}, "extra")
@@ -430,9 +423,16 @@ class Conversation:
                 data, info = segments.encode(tensors)
             index = len(old.turns) + 1
             info.file = segment_file_name(index)
-            turn = Turn(index, len(old.token_ids) + len(new_ids), info, extra_copy)
-            new = _with_turn(old, new_messages, new_ids, turn, state)
-            save = _Save(self.path / SEGMENTS_DIR / info.file, _Saved(new, self._saved.journal))
+            save = _Save(
+                seg_path=self.path / SEGMENTS_DIR / info.file,
+                turn=Turn(index, len(old.token_ids) + len(new_ids), info, extra_copy),
+                messages=new_messages,
+                token_ids=new_ids,
+                title=_title(old, new_messages),
+                updated=utc_now(),
+                state=state,
+                n_messages_before=len(old.messages),
+            )
             try:
                 if streamed:
                     written = segments.write_segment_stream(save.seg_path, tensors)
@@ -442,7 +442,7 @@ class Conversation:
                 if self._saved.journal is None:
                     self._migrate(save)
                 else:
-                    self._append(save, new_messages, new_ids, old.engine_state)
+                    self._append(save)
                 self._adopt(save)
             except OSError as e:
                 if not self._settle_failed_save(save, interrupted=False):
@@ -451,28 +451,21 @@ class Conversation:
                 self._settle_failed_save(save, interrupted=True)
                 raise
 
-    def _append(
-        self,
-        save: _Save,
-        messages: list[dict[str, Any]],
-        token_ids: list[int],
-        old_state: dict[str, Any],
-    ) -> None:
+    def _append(self, save: _Save) -> None:
         """Append the turn's record at the end of what is committed, and fsync it."""
         committed = self._saved.journal
         assert committed is not None
-        new = save.new.manifest
         save.record = journal.turn_record(
             journal_id=committed.id,
-            turn=new.turns[-1],
-            title=new.title,
-            updated=new.updated,
-            messages=messages,
-            token_ids=token_ids,
-            state=journal.state_delta(old_state, new.engine_state),
+            turn=save.turn,
+            title=save.title,
+            updated=save.updated,
+            messages=save.messages,
+            token_ids=save.token_ids,
+            state=journal.state_delta(self._saved.manifest.engine_state, save.state),
         )
-        save.new = _Saved(
-            new, dataclasses.replace(committed, size=committed.size + len(save.record), torn=0)
+        save.journal = dataclasses.replace(
+            committed, size=committed.size + len(save.record), torn=0
         )
         atomic.append_at(committed.path, save.record, committed.size, save.progress)
 
@@ -481,20 +474,48 @@ class Conversation:
         becomes a format 2 header continued by an empty journal. The journal is emptied
         (durably) first: a format 1 manifest ignores it, so until the header's rename,
         the commit, the conversation on disk is the old one."""
+        old = self._saved.manifest
         journal_id = journal.new_journal_id()
         path = self.path / JOURNAL_NAME
         atomic.empty_file(path)
-        save.header = save.new.manifest.to_json(journal_id=journal_id)
-        save.new = _Saved(save.new.manifest, _Journal(path, journal_id, 0))
+        whole = dataclasses.replace(
+            old,
+            title=save.title,
+            updated=save.updated,
+            messages=old.messages + save.messages,
+            token_ids=old.token_ids + save.token_ids,
+            turns=[*old.turns, save.turn],
+            engine_state=save.state,
+            format_version=FORMAT_VERSION,
+        )
+        save.header = whole.to_json(journal_id=journal_id)
+        save.journal = _Journal(path, journal_id, 0)
         try:
             write_text_atomic(self.path / MANIFEST_NAME, save.header)
         except DirSyncError:
             pass  # renamed into place: committed; only its durability is in doubt
 
     def _adopt(self, save: _Save) -> None:
-        self._saved = save.new
+        """Make the in-memory conversation what the committed save left on disk, in place.
+
+        Idempotent (lists are cut back to their length before the save, then extended), so
+        an interrupt inside it is finished by running it again: by the cleanup of the same
+        call, or, should a second interrupt cut that short too, at the start of the next.
+        """
+        self._adopting = save
+        m = self._saved.manifest
+        del m.messages[save.n_messages_before :]
+        del m.token_ids[save.turn.n_tokens_total_after - len(save.token_ids) :]
+        del m.turns[save.turn.index - 1 :]
+        m.messages.extend(save.messages)
+        m.token_ids.extend(save.token_ids)
+        m.turns.append(save.turn)
+        m.title, m.updated, m.engine_state = save.title, save.updated, save.state
+        m.format_version = FORMAT_VERSION
+        self._saved = _Saved(m, save.journal)
+        self._adopting = None
         try:
-            segments.remember(save.seg_path, save.new.manifest.turns[-1].segment.sha256)
+            segments.remember(save.seg_path, save.turn.segment.sha256)
         except OSError:
             pass  # only spares a re-hash later
 
@@ -509,10 +530,8 @@ class Conversation:
         verdict = self._verdict(save, interrupted)
         if verdict == "committed":
             self._adopt(save)  # first: a second Ctrl-C in the fsync below must not undo it
-            if not save.progress.synced and save.record:
-                journal_state = save.new.journal
-                assert journal_state is not None
-                atomic.truncate_durably(journal_state.path, journal_state.size)
+            if not save.progress.synced and save.record and save.journal is not None:
+                atomic.truncate_durably(save.journal.path, save.journal.size)
         elif verdict == "not saved":
             _unlink_quietly(save.seg_path)
             segments.forget(save.seg_path)

@@ -7,6 +7,7 @@ conversation); ``journal.jsonl`` gets one self-checksummed record per turn.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -17,7 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvchat.errors import StorageError
 from kvchat.storage import (
+    Conversation,
     ConversationStore,
     ManifestEditedError,
     ManifestError,
@@ -202,6 +205,47 @@ def test_a_state_delta_applied_gives_the_new_state(old, new):
         return
     assert json.loads(json.dumps(delta)) == delta
     assert apply_state_delta(json.loads(json.dumps(old)), delta) == new
+
+
+def test_the_manifest_is_extended_in_place_once_a_save_commits(store, monkeypatch):
+    with new(store) as conv:
+        manifest = conv.manifest
+        for i in (1, 2):
+            save(conv, i)
+        assert conv.manifest is manifest and len(manifest.turns) == 2
+        monkeypatch.setattr(atomic, "os", FailingFsync())
+        with pytest.raises(StorageError):
+            save(conv, 3)
+        monkeypatch.undo()
+        assert conv.manifest is manifest and len(manifest.turns) == 2  # untouched by a failure
+
+
+class FailingFsync:
+    def fsync(self, fd):
+        raise OSError(5, "Input/output error")
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+def test_an_adoption_cut_short_is_finished_by_the_next_call(store, monkeypatch):
+    """Taking a committed save into memory is idempotent, and one left half done (two
+    interrupts in a row) is completed before anything else is saved."""
+    adopted = []
+    real = Conversation._adopt
+    monkeypatch.setattr(Conversation, "_adopt", lambda c, s: adopted.append(s) or real(c, s))
+    conv = new(store)
+    for i in (1, 2):
+        save(conv, i)
+    want = copy.deepcopy(conv.manifest)
+    real(conv, adopted[-1])  # again: no change
+    assert conv.manifest == want
+    conv._adopting = adopted[-1]  # as if interrupted after these two steps:
+    del conv.manifest.messages[-1]
+    conv.manifest.token_ids.append(99)
+    save(conv, 3)
+    conv.close()
+    check_turns(store, conv.id, 3)
 
 
 # -- torn and damaged records -----------------------------------------------------------------
@@ -513,7 +557,7 @@ def test_an_old_conversation_lists_exports_and_opens(old_store):
 
 def test_an_old_conversation_resumes_and_is_migrated_at_its_next_save(old_store):
     with old_store.open(FIXTURE_ID) as conv:
-        before = conv.manifest
+        before = copy.deepcopy(conv.manifest)
         save(conv, 3)
         assert conv.manifest.format_version == 2
     header = json.loads((conv.path / "manifest.json").read_text())
