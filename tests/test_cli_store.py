@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from kvchat.storage import ConversationStore
-from kvchat.storage.manifest import CHECKSUM_KEY, content_checksum
+from kvchat.storage.journal import JOURNAL_NAME, seal
+from kvchat.storage.manifest import CHECKSUM_KEY
 from tests.storage.test_store import new, save_turns, turn_tensors
 
 HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x1b[41mred\x9b"
@@ -57,12 +58,14 @@ def saved(data: Path, turns: int = 1, title: str | None = None) -> str:
     conv = new(store)
     save_turns(conv, turns)
     conv.close()
-    if title is not None:
-        path = conv.path / "manifest.json"
-        doc = json.loads(path.read_text())
-        doc["title"] = title
-        doc[CHECKSUM_KEY] = content_checksum(doc)  # a sealed file from someone else
-        path.write_text(json.dumps(doc))
+    if title is not None:  # a sealed file from someone else: the title is in each record
+        path = conv.path / JOURNAL_NAME
+        lines = path.read_bytes().splitlines(keepends=True)
+        record = json.loads(lines[-1])
+        del record[CHECKSUM_KEY]
+        record["title"] = title
+        lines[-1] = seal(record)
+        path.write_bytes(b"".join(lines))
     return conv.id
 
 

@@ -113,10 +113,10 @@ def conversation_dir(root: Path, conv_id: str) -> Path:
 def debris(root: Path, conv_id: str) -> list[str]:
     """Temporary files, and segment files the manifest does not name."""
     from kvchat.storage.atomic import is_temp_name
+    from kvchat.storage.store import read_manifest
 
     path = conversation_dir(root, conv_id)
-    manifest = json.loads((path / "manifest.json").read_text())
-    named = {turn["segment"]["file"] for turn in manifest["turns"]}
+    named = {turn.segment.file for turn in read_manifest(path).turns}
     found = [n for n in os.listdir(path) if is_temp_name(n)]
     for name in os.listdir(path / "segments"):
         if is_temp_name(name) or name not in named:

@@ -1,15 +1,23 @@
-"""The conversation manifest: one readable JSON file that says what a conversation holds.
+"""The conversation manifest: what a conversation holds, and its header file.
+
+In memory a ``Manifest`` is everything about a conversation except the tensors. On disk
+(format 2) it is split: ``manifest.json``, the header, is a manifest as it stood when it was
+written (at create: no turns; after migrating an old conversation: all of its turns) plus the
+``journal_id`` of the journal that continues it, and ``journal.jsonl`` holds one record per
+turn saved since (see ``journal``). The header is written once, atomically; a turn is saved
+by appending its record. Format 1, one ``manifest.json`` holding every turn and rewritten
+after each, is still read; its next save rewrites it as a format 2 header.
 
 The manifest is the single source of truth for a conversation. Segment files on disk that it
 does not name do not exist as far as kvchat is concerned (they are leftovers of an interrupted
-save), which is what makes a save atomic: the manifest is replaced in one ``rename`` after the
-new segment is safely on disk.
+save), which is what makes a save atomic: a turn's record (or, for format 1, the manifest) is
+committed only after its segment is safely on disk.
 
-Edits made outside kvchat are detected: the manifest carries a ``checksum`` over its content
+Edits made outside kvchat are detected: the header carries a ``checksum`` over its content
 (canonical JSON, so re-indenting the file is not an edit), and the token counts of the turns
 must add up to the token ids. This catches hand edits and damage, not forgery: anyone who can
-write the file can recompute a sha256. A manifest without ``checksum`` (older kvchat) is
-accepted and gets one at its next save.
+write the file can recompute a sha256. A format 1 manifest without ``checksum`` (older kvchat)
+is accepted and gets one at its next save; a format 2 header must have one.
 
 The storage error classes live here too, because every other storage module already depends
 on this one and none of them may depend on ``store``. Every message is one line addressed to
@@ -28,15 +36,19 @@ from typing import Any
 
 from kvchat.errors import StorageError
 
-FORMAT_VERSION = 1
-"""Bump when a reader of the old format would misread the new one (not for new optional keys)."""
+FORMAT_VERSION = 2
+"""Bump when a reader of the old format would misread the new one (not for new optional keys).
+2: header + journal; 1: one manifest.json with every turn (still read)."""
 
 TITLE_MAX_CHARS = 60
 
 CHECKSUM_KEY = "checksum"
 
+JOURNAL_ID_KEY = "journal_id"
+JOURNAL_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+
 SEGMENT_NAME_RE = re.compile(r"^turn-(\d{4,})\.safetensors$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 # --------------------------------------------------------------------------- errors
@@ -169,11 +181,14 @@ class Manifest:
             "engine_state": self.engine_state,
         }
 
-    def to_json(self) -> str:
+    def to_json(self, *, journal_id: str | None = None) -> str:
         """Readable JSON: objects and lists of objects indented, but lists of plain values
         (``token_ids``, chunk boundaries) on one line: one int per line would bury the rest
-        of the file under thousands of lines."""
+        of the file under thousands of lines. With ``journal_id``: the format 2 header that
+        the journal of that id continues."""
         data = self.to_dict()
+        if journal_id is not None:
+            data[JOURNAL_ID_KEY] = journal_id
         data[CHECKSUM_KEY] = content_checksum(data)
         return _pretty(data) + "\n"
 
@@ -243,7 +258,7 @@ class Manifest:
                 raise bad(f"{where}index is {turn.index}, expected {i + 1}")
             if turn.segment.file != segment_file_name(turn.index):
                 raise bad(f"{where}segment.file is {turn.segment.file!r}")
-            if not _SHA256_RE.match(turn.segment.sha256):
+            if not SHA256_RE.match(turn.segment.sha256):
                 raise bad(f"{where}segment.sha256 is not a sha256 hex digest")
             if turn.segment.nbytes < 0:
                 raise bad(f"{where}segment.nbytes is negative")
@@ -291,6 +306,35 @@ class Manifest:
             turns=turns,
             engine_state=get(data, "engine_state", dict, "") if "engine_state" in data else {},
         )
+
+
+def parse_header(text: str, *, source: str | Path, conv_id: str) -> tuple[Manifest, str | None]:
+    """A ``manifest.json`` of either format: the manifest it holds, and for format 2 the
+    id of the journal that continues it (None for format 1, which holds every turn)."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(
+            f"manifest {source} of conversation {conv_id} is not valid JSON "
+            f"({one_line(e)}); restore it from a backup or run `kvchat delete {conv_id}`"
+        ) from None
+    manifest = Manifest.from_dict(data, source=source, conv_id=conv_id)
+    if manifest.format_version < 2:
+        return manifest, None
+    if CHECKSUM_KEY not in data:
+        raise ManifestEditedError(
+            f"manifest {source} of conversation {conv_id} was changed outside kvchat (it has "
+            "no checksum); undo the edit or restore the file from a backup, "
+            f"or run `kvchat delete {conv_id}`"
+        )
+    journal_id = data.get(JOURNAL_ID_KEY)
+    if not isinstance(journal_id, str) or not JOURNAL_ID_RE.match(journal_id):
+        raise ManifestError(
+            f"manifest {source} of conversation {conv_id} is damaged ({JOURNAL_ID_KEY} "
+            f"missing or not 16 hex digits); restore it from a backup or run "
+            f"`kvchat delete {conv_id}`"
+        )
+    return manifest, journal_id
 
 
 def content_checksum(data: dict[str, Any]) -> str:

@@ -1,21 +1,30 @@
-"""The conversation store: a folder per conversation, a manifest, one segment per turn.
+"""The conversation store: a folder per conversation, a header, a journal, one segment per turn.
 
 Layout under ``root/conversations/<id>/``::
 
-    manifest.json                   rewritten atomically after every turn
+    manifest.json                   the header: written at create, never rewritten after
+    journal.jsonl                   one record per turn, appended
     segments/turn-0001.safetensors  one new file per turn, never rewritten
     lock                            flock target; holds the pid of the process using it
 
 Crash safety rests on one ordering: a turn's segment is written and fsynced *before* the
-manifest that names it is atomically replaced. Whatever is interrupted (power, ENOSPC,
-Ctrl-C) the manifest on disk is either the old one or the new one, and every segment it names
-is complete. Segment files that no manifest names are debris from an interrupted save and are
-removed the next time the conversation is opened.
+record that names it is appended and fsynced, and that fsync is the commit. Whatever is
+interrupted (power, ENOSPC, Ctrl-C) the journal holds every earlier record whole, plus at
+most a torn last one that readers ignore; every segment a record names is complete. A failed
+append is cut back before its segment is deleted, and a segment is kept if that cut cannot
+be made durable (the record might survive a power cut). Segment files that no record names,
+torn records and temporary files are debris from an interrupted save and are removed the
+next time the conversation is opened. See ``journal`` for the record format and why it is a
+journal, and ``manifest`` for the header.
+
+A conversation saved by an older kvchat (format 1: one ``manifest.json`` holding every turn,
+replaced atomically after each) is read as it is; its next save rewrites it once, atomically,
+as a format 2 header holding all its turns, with an empty journal created first.
 
 Nothing in the store is followed through a symbolic link: a conversation folder, its
-``segments/``, manifest, segments or lock that is a link is refused (``list`` shows it as
-an error row, ``open``/``export`` refuse it, ``delete`` removes the link itself and nothing it
-points at). Folders are created 0700 and files 0600 whatever the umask: conversations are
+``segments/``, manifest, journal, segments or lock that is a link is refused (``list`` shows it
+as an error row, ``open``/``export`` refuse it, ``delete`` removes the link itself and nothing
+it points at). Folders are created 0700 and files 0600 whatever the umask: conversations are
 private text.
 
 Storage knows files, not models: tensors go in and come out by name; what they mean (residual
@@ -42,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvchat.errors import StorageError
-from kvchat.storage import segments
+from kvchat.storage import atomic, journal, segments
 from kvchat.storage.atomic import (
     TMP_MARK,
     DirSyncError,
@@ -50,8 +59,10 @@ from kvchat.storage.atomic import (
     is_temp_name,
     write_text_atomic,
 )
+from kvchat.storage.journal import JOURNAL_NAME
 from kvchat.storage.lock import ConversationLock
 from kvchat.storage.manifest import (
+    FORMAT_VERSION,
     SEGMENT_NAME_RE,
     AmbiguousConversationError,
     ConversationNotFoundError,
@@ -64,15 +75,18 @@ from kvchat.storage.manifest import (
     UnsafeFileError,
     make_title,
     one_line,
+    parse_header,
     segment_file_name,
     utc_now,
 )
 from kvchat.storage.safe_fs import (
     UnsafePathError,
     check_real_dir,
+    check_regular,
     ensure_private_dirs,
     is_symlink,
     make_private_dir,
+    open_regular,
     read_regular,
     tree_bytes,
 )
@@ -131,6 +145,31 @@ def _json_dict(value: Any, what: str) -> dict[str, Any]:
     return _json_copy(dict(value), what)
 
 
+def _checked_messages(messages: Any) -> list[dict[str, Any]]:
+    copy = _json_copy(messages, "messages")
+    if not isinstance(copy, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in copy
+    ):
+        raise TypeError("messages must be a list of {'role': str, 'content': str} dicts")
+    return copy
+
+
+def _checked_ids(token_ids: Any) -> list[int]:
+    if any(isinstance(t, bool) for t in token_ids):
+        raise TypeError("token_ids must be ints, not bools")
+    # operator.index accepts Python, numpy and 0-d torch integers and refuses floats.
+    return [operator.index(t) for t in token_ids]
+
+
+def _title(old: Manifest, messages: list[dict[str, Any]]) -> str:
+    """The title once the turn is saved: set from the first user message, then kept."""
+    if old.title:
+        return old.title
+    first_user = next((m for m in [*old.messages, *messages] if m["role"] == "user"), None)
+    return make_title(first_user["content"]) if first_user else ""
+
+
 def _new_id() -> str:
     """``20261130-024512-3fa2``: UTC creation time (so ids sort by age) plus 16 random bits
     (so two conversations created in the same second do not collide)."""
@@ -177,26 +216,54 @@ def _check_conversation_dir(path: Path, cid: str) -> None:
             ) from None
 
 
-def _read_manifest(path: Path, conv_id: str) -> Manifest:
-    """Load and validate ``<path>/manifest.json``; every failure is a one-line StorageError."""
-    file = path / MANIFEST_NAME
+def _read_file(file: Path, conv_id: str, what: str) -> bytes:
+    """Whole content of the conversation's manifest or journal; every failure is a one-line
+    StorageError naming the file."""
     try:
-        raw = read_regular(file)
+        return read_regular(file)
     except FileNotFoundError:
         raise ManifestError(
-            f"manifest {file} of conversation {conv_id} is missing; "
+            f"{what} {file} of conversation {conv_id} is missing; "
             f"restore it from a backup or run `kvchat delete {conv_id}`"
         ) from None
     except UnsafePathError as e:
         raise ManifestError(
-            f"manifest {file} of conversation {conv_id} is refused ({e.strerror}); "
+            f"{what} {file} of conversation {conv_id} is refused ({e.strerror}); "
             f"replace it with the real file or run `kvchat delete {conv_id}`"
         ) from None
     except OSError as e:
         raise ManifestError(
-            f"manifest {file} of conversation {conv_id} is unreadable ({one_line(e.strerror)}); "
+            f"{what} {file} of conversation {conv_id} is unreadable ({one_line(e.strerror)}); "
             "check the file's permissions and the disk"
         ) from None
+
+
+@dataclass(frozen=True)
+class _Journal:
+    """Where a conversation's journal stands: ``size`` bytes of committed records (the next
+    one goes there), ``torn`` bytes after them from an interrupted save."""
+
+    path: Path
+    id: str
+    size: int
+    torn: int = 0
+
+
+def _highest_segment(path: Path) -> int:
+    try:
+        names = os.listdir(path / SEGMENTS_DIR)
+    except OSError:
+        return 0
+    found = (SEGMENT_NAME_RE.match(n) for n in names)
+    return max((int(m.group(1)) for m in found if m), default=0)
+
+
+def _load(path: Path, conv_id: str) -> tuple[Manifest, _Journal | None]:
+    """The conversation's manifest from its header and journal (or its format 1 manifest:
+    then no journal). Needs no lock and changes nothing; every failure is a one-line
+    StorageError."""
+    file = path / MANIFEST_NAME
+    raw = _read_file(file, conv_id, "manifest")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -204,10 +271,70 @@ def _read_manifest(path: Path, conv_id: str) -> Manifest:
             f"manifest {file} of conversation {conv_id} is not valid UTF-8 text; "
             f"restore it from a backup or run `kvchat delete {conv_id}`"
         ) from None
-    manifest = Manifest.from_json(text, source=file, conv_id=conv_id)
+    manifest, journal_id = parse_header(text, source=file, conv_id=conv_id)
     # The folder name is the id users type; a folder copied under another name still opens.
     manifest.id = conv_id
-    return manifest
+    if journal_id is None:
+        return manifest, None
+    highest = _highest_segment(path)  # before the journal: see journal.read_journal
+    jfile = path / JOURNAL_NAME
+    found = journal.read_journal(
+        _read_file(jfile, conv_id, "journal"),
+        manifest,
+        journal_id=journal_id,
+        source=jfile,
+        conv_id=conv_id,
+        highest_segment=highest,
+    )
+    return manifest, _Journal(jfile, journal_id, found.size, found.torn)
+
+
+def read_manifest(path: str | os.PathLike[str], conv_id: str | None = None) -> Manifest:
+    """The manifest of the conversation folder ``path``, as ``list`` and ``export`` read it:
+    no lock taken, nothing repaired or swept."""
+    path = Path(path)
+    return _load(path, conv_id or path.name)[0]
+
+
+def _holds(path: Path, at: int, record: bytes) -> bool:
+    """True when ``path`` holds exactly ``record`` from offset ``at`` to its end."""
+    try:
+        fd = open_regular(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return os.fstat(fd).st_size == at + len(record) and os.pread(fd, len(record), at) == record
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What is on disk: the manifest, and where the journal ends (the next record's offset)."""
+
+    manifest: Manifest
+    journal: _Journal | None
+
+
+@dataclass
+class _Save:
+    """One save in progress: what the turn adds, and how far writing it got (to decide,
+    after a failure, whether it committed)."""
+
+    seg_path: Path
+    turn: Turn
+    messages: list[dict[str, Any]]
+    token_ids: list[int]
+    title: str
+    updated: str
+    state: dict[str, Any]
+    n_messages_before: int
+    journal: _Journal | None = None  # where the journal ends once this save commits
+    record: bytes = b""
+    header: str = ""
+    progress: atomic.AppendProgress = dataclasses.field(default_factory=atomic.AppendProgress)
 
 
 class Conversation:
@@ -217,12 +344,21 @@ class Conversation:
     is meant for one engine session.
     """
 
-    def __init__(self, path: Path, manifest: Manifest, lock: ConversationLock) -> None:
+    def __init__(
+        self, path: Path, manifest: Manifest, lock: ConversationLock, journal: _Journal | None
+    ) -> None:
         self.path = Path(path)
         self.id = self.path.name
-        self.manifest = manifest
+        self._saved = _Saved(manifest, journal)
+        self._adopting: _Save | None = None
         self._lock = lock
         self._mutex = threading.RLock()
+
+    @property
+    def manifest(self) -> Manifest:
+        """Everything saved so far. The same object all along: each save that commits
+        extends it in place (copying it would make a save cost the whole conversation)."""
+        return self._saved.manifest
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -263,79 +399,63 @@ class Conversation:
         lists), its tensors (a new segment file), per-turn ``extra`` and, if given, a new
         ``engine_state`` (replaces the old one whole).
 
-        Order: segment written and fsynced, then the manifest atomically replaced. Until that
-        replace, the on-disk conversation is exactly the previous turn; so on any failure it
-        still is. OSErrors (disk full...) become SaveFailedError; KeyboardInterrupt is
-        re-raised after the same cleanup. ``self.manifest`` only changes once the new manifest
-        is on disk, so a failed call can simply be retried.
+        Order: segment written and fsynced, then the turn's record appended to the journal
+        and fsynced (the commit); what is written is what this turn adds, whatever the
+        length of the conversation. Until that fsync, the on-disk conversation is exactly
+        the previous turn; so on any failure it still is. The first save of a conversation
+        of the old format rewrites its manifest once instead (see ``_migrate``). OSErrors
+        (disk full...) become SaveFailedError; KeyboardInterrupt is re-raised after the
+        same cleanup. ``self.manifest`` only changes (in place) once the turn is on disk,
+        so a failed call can simply be retried.
         """
         with self._mutex:
             self._check_open()
-            new_messages = _json_copy(messages, "messages")
-            if not isinstance(new_messages, list) or not all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-                for m in new_messages
-            ):
-                raise TypeError("messages must be a list of {'role': str, 'content': str} dicts")
-            if any(isinstance(t, bool) for t in token_ids):
-                raise TypeError("token_ids must be ints, not bools")
-            # operator.index accepts Python, numpy and 0-d torch integers and refuses floats.
-            new_ids = [operator.index(t) for t in token_ids]
+            if self._adopting is not None:  # a second interrupt cut the last adoption short
+                self._adopt(self._adopting)
+            new_messages = _checked_messages(messages)
+            new_ids = _checked_ids(token_ids)
             extra_copy = _json_dict(extra or {}, "extra")
+            old = self._saved.manifest
             state = (
-                self.manifest.engine_state
+                old.engine_state
                 if engine_state is None
                 else _json_dict(engine_state, "engine_state")
             )
-
             streamed = any(isinstance(t, segments.StreamedTensor) for t in tensors.values())
             if streamed:
                 data = None
                 info = segments.SegmentInfo(file="", sha256="", nbytes=0)
             else:
                 data, info = segments.encode(tensors)
-            old = self.manifest
             index = len(old.turns) + 1
             info.file = segment_file_name(index)
-            all_messages = old.messages + new_messages
-            all_ids = old.token_ids + new_ids
-            title = old.title
-            if not title:
-                first_user = next((m for m in all_messages if m["role"] == "user"), None)
-                title = make_title(first_user["content"]) if first_user else ""
-            new = dataclasses.replace(
-                old,
-                title=title,
+            save = _Save(
+                seg_path=self.path / SEGMENTS_DIR / info.file,
+                turn=Turn(index, len(old.token_ids) + len(new_ids), info, extra_copy),
+                messages=new_messages,
+                token_ids=new_ids,
+                title=_title(old, new_messages),
                 updated=utc_now(),
-                messages=all_messages,
-                token_ids=all_ids,
-                turns=[*old.turns, Turn(index, len(all_ids), info, extra_copy)],
-                engine_state=state,
+                state=state,
+                n_messages_before=len(old.messages),
             )
-            text = new.to_json()
-
-            seg_path = self.path / SEGMENTS_DIR / info.file
             try:
                 if streamed:
-                    written = segments.write_segment_stream(seg_path, tensors)
+                    written = segments.write_segment_stream(save.seg_path, tensors)
                     info.sha256, info.nbytes = written.sha256, written.nbytes
-                    text = new.to_json()
                 else:
-                    segments.write_segment(seg_path, data)
-                try:
-                    write_text_atomic(self.path / MANIFEST_NAME, text)
-                except DirSyncError:
-                    pass  # renamed into place: committed; only its durability is in doubt
+                    segments.write_segment(save.seg_path, data)
+                if self._saved.journal is None:
+                    self._migrate(save)
+                else:
+                    self._append(save)
+                self._adopt(save)
             except OSError as e:
-                if not self._settle_failed_save(seg_path, new, text):
+                if not self._settle_failed_save(save, interrupted=False):
                     raise SaveFailedError(self._save_failed_message(index, e)) from e
             except BaseException:
-                self._settle_failed_save(seg_path, new, text)
+                self._settle_failed_save(save, interrupted=True)
                 raise
-            segments.remember(seg_path, info.sha256)
-            self.manifest = new
 
     def staging_path(self, index: int) -> Path:
         """Where a rebuilt segment of turn ``index`` is written before it replaces the old
@@ -347,22 +467,25 @@ class Conversation:
         """Put rebuilt segments (written at ``staging_path(index)``, described by ``staged``)
         in place of turns' segments, and record their checksums.
 
-        Each file is renamed over the old one, then the manifest is replaced. A crash
-        between the two leaves a segment that fails its old checksum: the conversation then
-        reads as damaged at that turn, and a repair run again fixes it.
+        Rare (``kvchat repair``), so it rewrites the manifest whole, as one format 1 file
+        (which ignores the journal) in one rename; the next save makes it a header and a
+        journal again (``_migrate``). Each segment is renamed over the old one first: a
+        crash before the manifest's rename leaves a segment that fails its old checksum,
+        so the conversation reads as damaged at that turn, and the repair, run again,
+        fixes it.
         """
         with self._mutex:
             self._check_open()
+            m = self._saved.manifest
             infos = {}
             for index, info in staged.items():
                 target = self._turn(index).segment.file
                 infos[index] = segments.SegmentInfo(target, info.sha256, info.nbytes)
             turns = [
                 dataclasses.replace(t, segment=infos[t.index]) if t.index in infos else t
-                for t in self.manifest.turns
+                for t in m.turns
             ]
-            new = dataclasses.replace(self.manifest, turns=turns, updated=utc_now())
-            text = new.to_json()
+            whole = dataclasses.replace(m, turns=turns, updated=utc_now(), format_version=1)
             try:
                 for index in infos:
                     final = self.path / SEGMENTS_DIR / infos[index].file
@@ -370,7 +493,7 @@ class Conversation:
                     os.replace(self.staging_path(index), final)
                 fsync_dir(self.path / SEGMENTS_DIR)
                 try:
-                    write_text_atomic(self.path / MANIFEST_NAME, text)
+                    write_text_atomic(self.path / MANIFEST_NAME, whole.to_json())
                 except DirSyncError:
                     pass  # renamed into place: committed
             except OSError as e:
@@ -378,27 +501,119 @@ class Conversation:
                     f"rebuilding conversation {self.id} failed while replacing its segments "
                     f"({one_line(e.strerror or e)}); check the disk and run the repair again"
                 ) from e
+            m.turns[:] = turns
+            m.updated, m.format_version = whole.updated, 1
+            self._saved = _Saved(m, None)
             for info in infos.values():
                 segments.remember(self.path / SEGMENTS_DIR / info.file, info.sha256)
-            self.manifest = new
 
-    def _settle_failed_save(self, seg_path: Path, new: Manifest, text: str) -> bool:
-        """After an interrupted save, find out whether the new manifest made it to disk.
+    def _append(self, save: _Save) -> None:
+        """Append the turn's record at the end of what is committed, and fsync it."""
+        committed = self._saved.journal
+        assert committed is not None
+        save.record = journal.turn_record(
+            journal_id=committed.id,
+            turn=save.turn,
+            title=save.title,
+            updated=save.updated,
+            messages=save.messages,
+            token_ids=save.token_ids,
+            state=journal.state_delta(self._saved.manifest.engine_state, save.state),
+        )
+        save.journal = dataclasses.replace(
+            committed, size=committed.size + len(save.record), torn=0
+        )
+        atomic.append_at(committed.path, save.record, committed.size, save.progress)
 
-        If it did (an interrupt landed just after the rename) adopt it; otherwise delete the
-        now-unreferenced segment. If we cannot tell, touch nothing: open() cleans up.
+    def _migrate(self, save: _Save) -> None:
+        """First save of a format 1 conversation: the whole manifest, this turn included,
+        becomes a format 2 header continued by an empty journal. The journal is emptied
+        (durably) first: a format 1 manifest ignores it, so until the header's rename,
+        the commit, the conversation on disk is the old one."""
+        old = self._saved.manifest
+        journal_id = journal.new_journal_id()
+        path = self.path / JOURNAL_NAME
+        atomic.empty_file(path)
+        whole = dataclasses.replace(
+            old,
+            title=save.title,
+            updated=save.updated,
+            messages=old.messages + save.messages,
+            token_ids=old.token_ids + save.token_ids,
+            turns=[*old.turns, save.turn],
+            engine_state=save.state,
+            format_version=FORMAT_VERSION,
+        )
+        save.header = whole.to_json(journal_id=journal_id)
+        save.journal = _Journal(path, journal_id, 0)
+        try:
+            write_text_atomic(self.path / MANIFEST_NAME, save.header)
+        except DirSyncError:
+            pass  # renamed into place: committed; only its durability is in doubt
+
+    def _adopt(self, save: _Save) -> None:
+        """Make the in-memory conversation what the committed save left on disk, in place.
+
+        Idempotent (lists are cut back to their length before the save, then extended), so
+        an interrupt inside it is finished by running it again: by the cleanup of the same
+        call, or, should a second interrupt cut that short too, at the start of the next.
+        """
+        self._adopting = save
+        m = self._saved.manifest
+        del m.messages[save.n_messages_before :]
+        del m.token_ids[save.turn.n_tokens_total_after - len(save.token_ids) :]
+        del m.turns[save.turn.index - 1 :]
+        m.messages.extend(save.messages)
+        m.token_ids.extend(save.token_ids)
+        m.turns.append(save.turn)
+        m.title, m.updated, m.engine_state = save.title, save.updated, save.state
+        m.format_version = FORMAT_VERSION
+        self._saved = _Saved(m, save.journal)
+        self._adopting = None
+        try:
+            segments.remember(save.seg_path, save.turn.segment.sha256)
+        except OSError:
+            pass  # only spares a re-hash later
+
+    def _settle_failed_save(self, save: _Save, *, interrupted: bool) -> bool:
+        """After a failed or interrupted save, find out whether it made it to disk.
+
+        If it did (an interrupt landed after the commit) adopt it; otherwise take back
+        what the save wrote and delete the now-unreferenced segment. If we cannot tell, or
+        a record may survive a power cut, keep the segment: open() cleans up.
         Returns True when the save is in fact committed.
         """
-        try:
-            on_disk = (self.path / MANIFEST_NAME).read_text("utf-8")
-        except (OSError, ValueError):
-            return False
-        if on_disk == text:
-            self.manifest = new
-            return True
-        _unlink_quietly(seg_path)
-        segments.forget(seg_path)
-        return False
+        verdict = self._verdict(save, interrupted)
+        if verdict == "committed":
+            self._adopt(save)  # first: a second Ctrl-C in the fsync below must not undo it
+            if not save.progress.synced and save.record and save.journal is not None:
+                atomic.truncate_durably(save.journal.path, save.journal.size)
+        elif verdict == "not saved":
+            _unlink_quietly(save.seg_path)
+            segments.forget(save.seg_path)
+        return verdict == "committed"
+
+    def _verdict(
+        self, save: _Save, interrupted: bool
+    ) -> Literal["committed", "not saved", "unknown"]:
+        if save.progress.synced:
+            return "committed"
+        if save.header:  # a migrating save: committed once the header is in place
+            try:
+                on_disk = (self.path / MANIFEST_NAME).read_text("utf-8")
+            except (OSError, ValueError):
+                return "unknown"
+            return "committed" if on_disk == save.header else "not saved"
+        committed = self._saved.journal
+        if not save.progress.grew or committed is None:
+            return "not saved"
+        # An interrupt (not a write error) after the whole record reached the file: fsync
+        # cannot be interrupted, so this is most often one that landed just after it.
+        if interrupted and _holds(committed.path, committed.size, save.record):
+            return "committed"
+        if not atomic.truncate_durably(committed.path, committed.size):
+            return "unknown"  # the record may be on disk after a power cut: so must its segment
+        return "not saved"
 
     def _save_failed_message(self, index: int, e: OSError) -> str:
         if index == 1:
@@ -542,7 +757,7 @@ class ConversationStore:
         """New, empty, locked conversation.
 
         It is assembled in a hidden ``.creating-*`` folder and renamed into place complete,
-        so ``list()`` never sees a conversation without a manifest.
+        so ``list()`` never sees a conversation without its header and (empty) journal.
         """
         for name, value in (("model_name", model_name), ("fingerprint", fingerprint)):
             if not isinstance(value, str) or not value:
@@ -578,8 +793,10 @@ class ConversationStore:
                     model=ModelInfo(name=model_name, fingerprint=fingerprint, dtype=dtype),
                     settings=settings,
                 )
-                # Also fsyncs `staging`, making `segments/` and `lock` durable with it.
-                write_text_atomic(staging / MANIFEST_NAME, manifest.to_json())
+                journal_id = journal.new_journal_id()
+                atomic.empty_file(staging / JOURNAL_NAME, sync_dir=False)
+                # Also fsyncs `staging`, making `segments/`, the journal and `lock` durable.
+                write_text_atomic(staging / MANIFEST_NAME, manifest.to_json(journal_id=journal_id))
                 try:
                     os.rename(staging, final)
                 except OSError as e:
@@ -604,7 +821,8 @@ class ConversationStore:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
             lock.path = final / LOCK_NAME
-            return Conversation(final, manifest, lock)
+            state = _Journal(final / JOURNAL_NAME, journal_id, 0)
+            return Conversation(final, manifest, lock, state)
         raise StorageError(  # pragma: no cover - 50 collisions means something else is wrong
             f"cannot find a free conversation id in {self.conversations_dir}; try again"
         )
@@ -635,7 +853,7 @@ class ConversationStore:
         or dtype: its tensors would be silently wrong for this one (``model_name`` and
         ``weights``, the loaded side, only make the refusal name both sides). Also removes
         debris of an interrupted save (unreferenced segments, temporary files), which is safe
-        only now that we hold the lock.
+        only now that we hold the lock: that includes a torn record at the journal's end.
         """
         cid = self.resolve(conv_id)
         path = self.conversations_dir / cid
@@ -644,7 +862,9 @@ class ConversationStore:
         lock.acquire()
         try:
             _check_conversation_dir(path, cid)  # again, now that nobody else can change it
-            manifest = _read_manifest(path, cid)
+            manifest, journal_state = _load(path, cid)
+            if journal_state is not None:
+                _check_writable_journal(journal_state, cid)
             saved = manifest.model
             wrong_fp = fingerprint is not None and fingerprint != saved.fingerprint
             wrong_dtype = dtype is not None and dtype != saved.dtype
@@ -659,20 +879,25 @@ class ConversationStore:
                         weights=weights,
                     )
                 )
-            _clean_debris(path, manifest)
+            _clean_debris(path, manifest, journal_state)
         except BaseException:
             lock.release()
             raise
-        return Conversation(path, manifest, lock)
+        if journal_state is not None and journal_state.torn:
+            if atomic.truncate_durably(journal_state.path, journal_state.size):
+                journal_state = dataclasses.replace(journal_state, torn=0)
+        return Conversation(path, manifest, lock, journal_state)
 
     # -- list / delete / export ----------------------------------------------------------
 
     def list(self) -> list[ConversationSummary]:
         """Every conversation, most recently used first.
 
-        Reads manifests without locking (they are only ever replaced atomically) and checks
-        segment sizes, not checksums, to stay fast. A conversation that cannot be opened is
-        listed with ``error`` set: one bad folder never hides the others.
+        Reads headers and journals without locking (a header is only ever replaced
+        atomically, a journal only appended to: a record being written shows as a torn one,
+        which is ignored) and checks segment sizes, not checksums, to stay fast. A
+        conversation that cannot be opened is listed with ``error`` set: one bad folder
+        never hides the others.
         """
         out = []
         for cid in self._ids():
@@ -690,7 +915,7 @@ class ConversationStore:
         size = 0 if linked else tree_bytes(path)
         try:
             _check_conversation_dir(path, cid)
-            manifest = _read_manifest(path, cid)
+            manifest = _load(path, cid)[0]
         except StorageError as e:
             try:
                 mtime = os.lstat(path).st_mtime
@@ -770,8 +995,8 @@ class ConversationStore:
     def export(self, conv_id: str, fmt: Literal["md", "json"] = "md") -> str:
         """The conversation's text as Markdown or JSON.
 
-        Needs only the manifest: no lock (works while the conversation is open elsewhere)
-        and no segments (works when a segment is corrupted — the rescue path that error
+        Needs only the header and journal: no lock (works while the conversation is open
+        elsewhere) and no segments (works when a segment is corrupted — the rescue path that error
         messages point to).
         """
         if fmt not in ("md", "json"):
@@ -779,7 +1004,7 @@ class ConversationStore:
         cid = self.resolve(conv_id)
         path = self.conversations_dir / cid
         _check_conversation_dir(path, cid)
-        m = _read_manifest(path, cid)
+        m = _load(path, cid)[0]
         if fmt == "json":
             doc = {
                 "id": m.id,
@@ -914,11 +1139,33 @@ def _short(fingerprint: str) -> str:
     return safe_terminal_text(shown, multiline=False)
 
 
-def _clean_debris(path: Path, manifest: Manifest) -> None:
-    """Delete what an interrupted save leaves: temporary files, and ``turn-NNNN`` segments
-    the manifest does not name. Other files are left alone (they are not ours). Best effort:
-    debris is harmless, so a failure here must not stop the conversation from opening."""
+def _check_writable_journal(state: _Journal, cid: str) -> None:
+    """The journal is written in place (appended to, a torn end cut): a hard link would
+    make that write into someone else's file. Reading it was harmless; writing is refused."""
+    try:
+        st = check_regular(state.path)
+    except OSError as e:
+        reason = e.strerror if isinstance(e, UnsafePathError) else one_line(e.strerror)
+        raise UnsafeFileError(
+            f"journal {state.path} of conversation {cid} is refused ({reason}); "
+            f"run `kvchat delete {cid}`"
+        ) from None
+    if st.st_nlink != 1:
+        raise UnsafeFileError(
+            f"journal {state.path} of conversation {cid} is refused (it has other hard "
+            f"links); copy the conversation folder without links, or run `kvchat delete {cid}`"
+        )
+
+
+def _clean_debris(path: Path, manifest: Manifest, journal_state: _Journal | None) -> None:
+    """Delete what an interrupted save leaves: temporary files, ``turn-NNNN`` segments no
+    record names, and a journal beside a format 1 manifest (an interrupted migration made
+    it; the manifest does not use it). Other files are left alone (they are not ours).
+    Best effort: debris is harmless, so a failure here must not stop the conversation from
+    opening. (A torn record is cut by ``open`` itself.)"""
     referenced = {t.segment.file for t in manifest.turns}
+    if journal_state is None and not is_symlink(path / JOURNAL_NAME):
+        _unlink_quietly(path / JOURNAL_NAME)
     for directory, holds_segments in ((path, False), (path / SEGMENTS_DIR, True)):
         try:
             names = os.listdir(directory)

@@ -15,6 +15,7 @@ from kvchat.storage import (
     SaveFailedError,
     SegmentCorruptedError,
 )
+from kvchat.storage.manifest import FORMAT_VERSION
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +99,7 @@ def test_every_turn_is_saved_with_what_resume_needs(smollm2_loaded, tmp_path):
     for prompt in PROMPTS[:2]:
         session.send(prompt, GREEDY)
     manifest = session.conversation.manifest
-    assert len(manifest.turns) == 2 and manifest.format_version == 1
+    assert len(manifest.turns) == 2 and manifest.format_version == FORMAT_VERSION
     assert manifest.token_ids == session.token_ids
     assert [m["role"] for m in manifest.messages] == ["user", "assistant"] * 2
     assert manifest.model.fingerprint == smollm2_loaded.fingerprint

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import copy
 
 import pytest
 
@@ -108,19 +108,19 @@ def test_nothing_damaged_means_nothing_rewritten(smollm2_loaded, tmp_path):
 
 
 def _edit_turn_extra(root, conv_id, index, **changes) -> None:
-    """What an older kvchat (or a hostile file) left in a turn's record."""
+    """What an older kvchat (or a hostile file) left in a turn's record: the whole manifest
+    in one file (format 1), as an older kvchat writes it."""
     conversation = ConversationStore(root).open(conv_id)
-    manifest = conversation.manifest
+    manifest = copy.deepcopy(conversation.manifest)
     for turn in manifest.turns:
         if turn.index == index:
             turn.extra.update(changes)
             for key in [k for k, v in changes.items() if v is None]:
                 del turn.extra[key]
+    manifest.format_version = 1
     path = conversation.path / "manifest.json"
-    text = manifest.to_json()
     conversation.close()
-    path.write_text(text)
-    json.loads(text)
+    path.write_text(manifest.to_json())
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The manifest and segment readers under hypothesis: random bytes, truncations, mutated JSON.
+"""The manifest, journal and segment readers under hypothesis: random bytes, truncations,
+mutated JSON, records resealed, dropped or reordered.
 
 Whatever is on disk, a reader either works or raises one StorageError with a one-line
 message; it never lets another exception out, and a damaged conversation never affects the
@@ -21,7 +22,10 @@ from hypothesis import strategies as st
 from kvchat.errors import StorageError
 from kvchat.storage import ConversationStore, SegmentInfo
 from kvchat.storage import segments as seg
+from kvchat.storage.journal import JOURNAL_NAME, seal
 from kvchat.storage.manifest import CHECKSUM_KEY, content_checksum
+from kvchat.storage.store import read_manifest
+from tests.storage.test_journal import FIXTURE, FIXTURE_ID
 from tests.storage.test_store import new, save_turns
 
 FUZZ = settings(
@@ -43,18 +47,35 @@ json_values = st.recursive(
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory):
-    """A store with a damaged-to-be conversation and a good one, built once; each example
-    restores the damaged one's files from the pristine copy first."""
+def templates(tmp_path_factory):
+    """One store holding a good conversation and, per kind, a damaged-to-be one, built once;
+    each example restores the damaged one's files from its pristine copy first. Kinds: a
+    journal conversation (header without turns), one of the old format (one manifest.json
+    holding every turn), and an old one migrated by a save (header with turns, then a
+    record)."""
     root = tmp_path_factory.mktemp("fuzz")
     store = ConversationStore(root / "data")
-    bad, good = new(store), new(store)
-    save_turns(bad, 2)
+    journal, good = new(store), new(store)
+    save_turns(journal, 2)
     save_turns(good, 1)
-    bad.close(), good.close()
-    pristine = root / "pristine"
-    shutil.copytree(bad.path, pristine)
-    return store, bad.id, good.id, pristine
+    journal.close(), good.close()
+    old = store.conversations_dir / FIXTURE_ID
+    shutil.copytree(FIXTURE, old)
+    migrated = store.conversations_dir / (FIXTURE_ID + "-m")
+    shutil.copytree(FIXTURE, migrated)
+    with store.open(migrated.name) as conv:
+        save_turns(conv, 2)
+    kinds = {}
+    for kind, path in (("journal", journal.path), ("old", old), ("migrated", migrated)):
+        pristine = root / f"pristine-{kind}"
+        shutil.copytree(path, pristine, ignore=shutil.ignore_patterns("lock"))
+        kinds[kind] = (path.name, pristine)
+        ORIGINAL[path.name] = read_manifest(path)
+    return store, kinds, good.id
+
+
+ORIGINAL: dict = {}
+"""Each damaged-to-be conversation as saved, to compare what a damaged one reads as."""
 
 
 def restore(store: ConversationStore, cid: str, pristine: Path) -> Path:
@@ -62,6 +83,17 @@ def restore(store: ConversationStore, cid: str, pristine: Path) -> Path:
     shutil.rmtree(path)
     shutil.copytree(pristine, path)
     return path
+
+
+KINDS = ("journal", "old", "migrated")
+JOURNAL_KINDS = ("journal", "migrated")
+
+
+def restored(templates, kind: str):
+    """(store, damaged id, good id, its folder) with the ``kind`` conversation restored."""
+    store, kinds, good = templates
+    bad, pristine = kinds[kind]
+    return store, bad, good, restore(store, bad, pristine)
 
 
 def one_line_storage_error(action) -> None:
@@ -95,29 +127,32 @@ def everything_still_works(store: ConversationStore, bad: str, good: str) -> Non
 
 
 @FUZZ
-@given(content=st.binary(max_size=600))
-@example(content=b"[" * 100_000)  # nesting deep enough to exhaust the parser's recursion
-@example(content=b'{"format_version": 1, "settings": ' * 30_000)
-def test_manifest_of_random_bytes(template, content):
-    store, bad, good, pristine = template
-    path = restore(store, bad, pristine)
+@given(content=st.binary(max_size=600), kind=st.sampled_from(KINDS))
+@example(content=b"[" * 100_000, kind="journal")  # nesting deep enough to exhaust the parser
+@example(content=b"[" * 100_000, kind="old")
+@example(content=b'{"format_version": 1, "settings": ' * 30_000, kind="old")
+@example(content=b'{"format_version": 2, "settings": ' * 30_000, kind="journal")
+def test_manifest_of_random_bytes(templates, content, kind):
+    store, bad, good, path = restored(templates, kind)
     (path / "manifest.json").write_bytes(content)
     everything_still_works(store, bad, good)
 
 
-@FUZZ
-@given(data=st.data())
-def test_manifest_truncated_or_bit_flipped(template, data):
-    store, bad, good, pristine = template
-    path = restore(store, bad, pristine)
-    raw = bytearray((path / "manifest.json").read_bytes())
+def truncate_or_flip(raw: bytearray, data) -> bytearray:
     if data.draw(st.booleans(), label="truncate"):
-        raw = raw[: data.draw(st.integers(0, len(raw) - 1), label="keep")]
-    else:
-        for _ in range(data.draw(st.integers(1, 4), label="flips")):
-            at = data.draw(st.integers(0, len(raw) - 1), label="at")
-            raw[at] ^= 1 << data.draw(st.integers(0, 7), label="bit")
-    (path / "manifest.json").write_bytes(bytes(raw))
+        return raw[: data.draw(st.integers(0, len(raw) - 1), label="keep")]
+    for _ in range(data.draw(st.integers(1, 4), label="flips")):
+        at = data.draw(st.integers(0, len(raw) - 1), label="at")
+        raw[at] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+    return raw
+
+
+@FUZZ
+@given(data=st.data(), kind=st.sampled_from(KINDS))
+def test_manifest_truncated_or_bit_flipped(templates, data, kind):
+    store, bad, good, path = restored(templates, kind)
+    raw = bytearray((path / "manifest.json").read_bytes())
+    (path / "manifest.json").write_bytes(bytes(truncate_or_flip(raw, data)))
     everything_still_works(store, bad, good)
 
 
@@ -130,24 +165,97 @@ def _nodes(value, trail=()):
             yield from _nodes(child, (*trail, key))
 
 
-@FUZZ
-@given(data=st.data())
-def test_manifest_with_mutated_json(template, data):
-    """Values replaced or removed anywhere in the document, with the checksum recomputed
-    (or not) so the mutation reaches the structural checks and everything behind them."""
-    store, bad, good, pristine = template
-    path = restore(store, bad, pristine)
-    doc = json.loads((path / "manifest.json").read_text())
+def mutate_json(doc, data) -> None:
+    """Values replaced or removed anywhere in the document."""
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
         nodes = list(_nodes(doc))
+        if not nodes:
+            return
         container, key = nodes[data.draw(st.integers(0, len(nodes) - 1), label="node")]
         if data.draw(st.booleans(), label="remove") and isinstance(container, dict):
             del container[key]
         else:
             container[key] = data.draw(json_values, label="value")
+
+
+@FUZZ
+@given(data=st.data(), kind=st.sampled_from(KINDS))
+def test_manifest_with_mutated_json(templates, data, kind):
+    """Values replaced or removed anywhere in the document, with the checksum recomputed
+    (or not) so the mutation reaches the structural checks and everything behind them."""
+    store, bad, good, path = restored(templates, kind)
+    doc = json.loads((path / "manifest.json").read_text())
+    mutate_json(doc, data)
     if data.draw(st.booleans(), label="reseal"):
         doc[CHECKSUM_KEY] = content_checksum(doc)
     (path / "manifest.json").write_text(json.dumps(doc))
+    everything_still_works(store, bad, good)
+
+
+# -- the journal --------------------------------------------------------------------------
+
+
+@FUZZ
+@given(content=st.binary(max_size=600), kind=st.sampled_from(JOURNAL_KINDS))
+@example(content=b"[" * 100_000 + b"\n", kind="journal")
+@example(content=b"\n" * 1000, kind="journal")
+def test_journal_of_random_bytes(templates, content, kind):
+    store, bad, good, path = restored(templates, kind)
+    (path / JOURNAL_NAME).write_bytes(content)
+    everything_still_works(store, bad, good)
+
+
+@FUZZ
+@given(data=st.data(), kind=st.sampled_from(JOURNAL_KINDS))
+def test_journal_truncated_bit_flipped_or_appended_to(templates, data, kind):
+    store, bad, good, path = restored(templates, kind)
+    raw = bytearray((path / JOURNAL_NAME).read_bytes())
+    if data.draw(st.booleans(), label="append"):
+        raw += data.draw(st.binary(max_size=200), label="tail")
+    else:
+        raw = truncate_or_flip(raw, data)
+    (path / JOURNAL_NAME).write_bytes(bytes(raw))
+    never_misread(store, bad)
+    everything_still_works(store, bad, good)
+
+
+def never_misread(store: ConversationStore, bad: str) -> None:
+    """Damaged bytes are refused or, as a torn last record, dropped: what opens is always
+    the first turns as saved, never altered ones."""
+    try:
+        with store.open(bad) as conv:
+            got = conv.manifest
+    except StorageError:
+        return
+    want = ORIGINAL[bad]
+    n = len(got.turns)
+    assert got.turns == want.turns[:n]
+    assert got.messages == want.messages[: len(got.messages)]
+    assert got.token_ids == want.token_ids[: len(got.token_ids)]
+    assert len(got.token_ids) == (got.turns[-1].n_tokens_total_after if n else 0)
+
+
+@FUZZ
+@given(data=st.data(), kind=st.sampled_from(JOURNAL_KINDS))
+def test_journal_with_mutated_records(templates, data, kind):
+    """A record's values replaced or removed, resealed (or not), or records dropped,
+    duplicated or swapped."""
+    store, bad, good, path = restored(templates, kind)
+    lines = (path / JOURNAL_NAME).read_bytes().splitlines(keepends=True)
+    kind = data.draw(st.sampled_from(["mutate", "reorder"]), label="how")
+    if kind == "mutate":
+        at = data.draw(st.integers(0, len(lines) - 1), label="line")
+        record = json.loads(lines[at])
+        mutate_json(record, data)
+        if data.draw(st.booleans(), label="reseal") and isinstance(record, dict):
+            record.pop(CHECKSUM_KEY, None)
+            lines[at] = seal(record)
+        else:
+            lines[at] = json.dumps(record).encode() + b"\n"
+    else:
+        order = data.draw(st.lists(st.integers(0, len(lines) - 1), max_size=4), label="order")
+        lines = [lines[i] for i in order]
+    (path / JOURNAL_NAME).write_bytes(b"".join(lines))
     everything_still_works(store, bad, good)
 
 

@@ -1,12 +1,17 @@
-"""Edits made to a manifest outside kvchat are detected, with one line naming the file."""
+"""Edits made to a conversation's files outside kvchat are detected, with one line naming the
+file: the header ``manifest.json``, a record of ``journal.jsonl``, or the single
+``manifest.json`` of a conversation saved before the journal."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from kvchat.storage import ConversationStore, ManifestEditedError, ManifestError
+from kvchat.storage.journal import JOURNAL_NAME
+from tests.storage.test_journal import FIXTURE, FIXTURE_ID
 from tests.storage.test_store import new, save_turns
 
 
@@ -23,6 +28,23 @@ def two_conversations(store):
     return edited, other
 
 
+def old_and_new(store):
+    """The two-turn conversation of the old format (one manifest.json), and another."""
+    store.conversations_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(FIXTURE, store.conversations_dir / FIXTURE_ID)
+    other = new(store)
+    save_turns(other, 1)
+    other.close()
+    return store.conversations_dir / FIXTURE_ID, other
+
+
+class Old:
+    """Just what ``refused_everywhere`` needs of a conversation."""
+
+    def __init__(self, path):
+        self.path, self.id = path, path.name
+
+
 def rewrite(conv, mutate) -> None:
     path = conv.path / "manifest.json"
     data = json.loads(path.read_text())
@@ -30,11 +52,21 @@ def rewrite(conv, mutate) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False))
 
 
-def refused_everywhere(store, conv, other, error=ManifestError) -> str:
+def rewrite_record(conv, line: int, mutate) -> None:
+    """Change one record's content, keeping the checksum it had."""
+    path = conv.path / JOURNAL_NAME
+    lines = path.read_text().splitlines(keepends=True)
+    record = json.loads(lines[line])
+    mutate(record)
+    lines[line] = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+    path.write_text("".join(lines))
+
+
+def refused_everywhere(store, conv, other, error=ManifestError, file="manifest.json") -> str:
     with pytest.raises(error) as err:
         store.open(conv.id)
     message = str(err.value)
-    assert str(conv.path / "manifest.json") in message and "\n" not in message
+    assert str(conv.path / file) in message and "\n" not in message
     assert f"kvchat delete {conv.id}" in message
     with pytest.raises(error):
         store.export(conv.id, "md")
@@ -43,6 +75,47 @@ def refused_everywhere(store, conv, other, error=ManifestError) -> str:
     assert rows[other.id].error is None  # other conversations are unaffected
     store.open(other.id).close()
     return message
+
+
+@pytest.mark.parametrize(
+    "line, mutate",
+    [
+        (1, lambda d: d["token_ids"].extend([7, 8, 9])),
+        (1, lambda d: d["messages"][1].__setitem__("content", "an answer I prefer")),
+        (0, lambda d: d["messages"][0].__setitem__("content", "a question I prefer")),
+        (1, lambda d: d.__setitem__("title", "renamed")),
+        (1, lambda d: d.__setitem__("engine_state", {"set": {"n_cached": 999}})),
+        (0, lambda d: d["extra"].__setitem__("turn", 5)),
+        (1, lambda d: d["segment"].__setitem__("nbytes", 1)),
+    ],
+    ids=[
+        "extra-token-ids", "message-text", "first-message", "title", "engine-state",
+        "turn-extra", "segment-size",
+    ],
+)  # fmt: skip
+def test_an_edit_of_a_record_is_detected(store, line, mutate):
+    conv, other = two_conversations(store)
+    rewrite_record(conv, line, mutate)
+    message = refused_everywhere(store, conv, other, ManifestEditedError, JOURNAL_NAME)
+    assert "changed outside kvchat" in message and f"record {line + 1}" in message
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d.__setitem__("title", "renamed"),
+        lambda d: d["settings"].__setitem__("system", "Be verbose."),
+        lambda d: d["model"].__setitem__("fingerprint", "sha256:" + "cd" * 32),
+        lambda d: d.__setitem__("created", "2020-01-01T00:00:00+00:00"),
+        lambda d: d.__setitem__("journal_id", "0" * 16),
+    ],
+    ids=["title", "settings", "fingerprint", "created", "journal-id"],
+)
+def test_an_edit_of_the_header_is_detected(store, mutate):
+    conv, other = two_conversations(store)
+    rewrite(conv, mutate)
+    message = refused_everywhere(store, conv, other, ManifestEditedError)
+    assert "changed outside kvchat" in message
 
 
 @pytest.mark.parametrize(
@@ -56,15 +129,18 @@ def refused_everywhere(store, conv, other, error=ManifestError) -> str:
     ],
     ids=["extra-token-ids", "message-text", "title", "engine-state", "turn-extra"],
 )
-def test_an_edit_is_detected(store, mutate):
-    conv, other = two_conversations(store)
+def test_an_edit_of_an_old_manifest_is_detected(store, mutate):
+    path, other = old_and_new(store)
+    conv = Old(path)
     rewrite(conv, mutate)
     message = refused_everywhere(store, conv, other, ManifestEditedError)
     assert "changed outside kvchat" in message
 
 
 def test_extra_token_ids_are_caught_even_without_the_checksum(store):
-    conv, other = two_conversations(store)
+    """Only the old format may lack checksums; its token counts must still add up."""
+    path, other = old_and_new(store)
+    conv = Old(path)
 
     def mutate(d):
         del d["checksum"]
@@ -75,8 +151,25 @@ def test_extra_token_ids_are_caught_even_without_the_checksum(store):
     assert "token_ids holds 10 ids but the saved turns end at 9" in message
 
 
-def test_reformatting_is_not_an_edit(store):
-    conv, _ = two_conversations(store)
+def test_a_record_or_header_without_its_checksum_is_refused(store):
+    conv, other = two_conversations(store)
+
+    def mutate(d):
+        del d["checksum"]
+        d["token_ids"].append(1)
+
+    rewrite_record(conv, 1, mutate)
+    message = refused_everywhere(store, conv, other, ManifestEditedError, JOURNAL_NAME)
+    assert "record 2 has no checksum" in message
+    conv, other = two_conversations(store)
+    rewrite(conv, lambda d: d.pop("checksum"))
+    message = refused_everywhere(store, conv, other, ManifestEditedError)
+    assert "no checksum" in message
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["header", "old-manifest"])
+def test_reformatting_is_not_an_edit(store, old):
+    conv = Old(old_and_new(store)[0]) if old else two_conversations(store)[0]
     path = conv.path / "manifest.json"
     data = json.loads(path.read_text())
     path.write_text(json.dumps(dict(reversed(list(data.items()))), indent=7))  # same content
@@ -85,7 +178,8 @@ def test_reformatting_is_not_an_edit(store):
 
 
 def test_a_manifest_without_checksum_opens_and_gets_one_at_the_next_save(store):
-    conv, _ = two_conversations(store)
+    path, _ = old_and_new(store)
+    conv = Old(path)
     rewrite(conv, lambda d: d.pop("checksum"))
     with store.open(conv.id) as again:
         save_turns(again, 1)

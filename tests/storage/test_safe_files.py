@@ -15,6 +15,7 @@ from kvchat.storage import (
     SegmentCorruptedError,
     UnsafeFileError,
 )
+from kvchat.storage.journal import JOURNAL_NAME
 from tests.storage.test_store import new, save_turns
 
 
@@ -67,11 +68,12 @@ def test_lock_hard_link_is_refused_and_its_target_untouched(store, important):
     assert important.read_text() == "precious\n" and store.list() == []
 
 
-def test_manifest_link_is_refused_everywhere(store, tmp_path):
+@pytest.mark.parametrize("name", ["manifest.json", JOURNAL_NAME])
+def test_manifest_link_is_refused_everywhere(store, tmp_path, name):
     conv, good = saved(store), saved(store, 1)
-    manifest = conv.path / "manifest.json"
+    manifest = conv.path / name
     elsewhere = tmp_path / "elsewhere.json"
-    elsewhere.write_bytes(manifest.read_bytes())  # a perfectly valid manifest, but a link
+    elsewhere.write_bytes(manifest.read_bytes())  # a perfectly valid file, but a link
     manifest.unlink()
     manifest.symlink_to(elsewhere)
     for attempt in (lambda: store.open(conv.id), lambda: store.export(conv.id, "md")):
@@ -148,9 +150,10 @@ def test_linked_segments_folder_is_refused(store, tmp_path):
     assert (outside / "turn-0009.safetensors").exists()
 
 
-def test_fifo_manifest_does_not_hang(store):
+@pytest.mark.parametrize("name", ["manifest.json", JOURNAL_NAME])
+def test_fifo_manifest_does_not_hang(store, name):
     conv = saved(store, 1)
-    manifest = conv.path / "manifest.json"
+    manifest = conv.path / name
     manifest.unlink()
     os.mkfifo(manifest)
     started = time.monotonic()
@@ -195,9 +198,9 @@ def test_folders_0700_and_files_0600_whatever_the_umask(tmp_path, umask, value):
     for folder in (tmp_path / "new", store.root, store.conversations_dir, conv.path):
         assert mode(folder) == 0o700, folder
     assert mode(conv.path / "segments") == 0o700
-    files = [conv.path / "manifest.json", conv.path / "lock"]
+    files = [conv.path / "manifest.json", conv.path / JOURNAL_NAME, conv.path / "lock"]
     files += list((conv.path / "segments").iterdir())
-    assert len(files) == 4
+    assert len(files) == 5
     for file in files:
         assert mode(file) == 0o600, file
     with store.open(conv.id):  # reopening (the lock) keeps the modes
@@ -220,7 +223,9 @@ def test_permissive_folders_of_an_older_kvchat_are_tightened(tmp_path, umask):
 def test_store_files_hold_what_we_wrote(store):
     """The safety checks must not change what a normal save and open see."""
     conv = saved(store, 3)
-    data = json.loads((conv.path / "manifest.json").read_text())
-    assert len(data["turns"]) == 3
+    header = json.loads((conv.path / "manifest.json").read_text())
+    assert header["format_version"] == 2 and header["turns"] == []
+    records = [json.loads(line) for line in (conv.path / JOURNAL_NAME).read_text().splitlines()]
+    assert [r["turn"] for r in records] == [1, 2, 3]
     with store.open(conv.id) as again:
         assert len(list(again.iter_tensors())) == 9

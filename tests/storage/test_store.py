@@ -11,6 +11,7 @@ import torch
 
 from kvchat.errors import StorageError
 from kvchat.storage import (
+    FORMAT_VERSION,
     AmbiguousConversationError,
     ConversationLockedError,
     ConversationNotFoundError,
@@ -424,13 +425,13 @@ def test_newer_format_version(store):
     conv.close()
     path = conv.path / "manifest.json"
     data = json.loads(path.read_text())
-    data["format_version"] = 2
+    data["format_version"] = FORMAT_VERSION + 1
     path.write_text(json.dumps(data))
     with pytest.raises(NewerFormatError) as err:
         store.open(conv.id)
     assert one_line(err) == (
-        f"conversation {conv.id} was saved by a newer kvchat (format 2 > 1); "
-        "upgrade kvchat to open it"
+        f"conversation {conv.id} was saved by a newer kvchat "
+        f"(format {FORMAT_VERSION + 1} > {FORMAT_VERSION}); upgrade kvchat to open it"
     )
     (row,) = store.list()
     assert "newer kvchat" in row.error
