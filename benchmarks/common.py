@@ -54,8 +54,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32") -> Any:
     """The model as the engine holds it (``LoadedModel``), on CPU, with quiet transformers."""
     from transformers.utils import logging as hf_logging
 
-    from kvchat.engine.loader import load
-    from kvchat.engine.models import resolve_model
+    from kvchat.models.load import load
+    from kvchat.models.resolve import resolve_model
 
     hf_logging.set_verbosity_error()
     path = resolve_model(spec).path
@@ -186,14 +186,14 @@ def interleaved_decode(loaded: Any, entries: dict[str, Any], steps: int) -> dict
     ``entries`` maps a name to ``(session, next_token)``: a ``ChatSession`` whose cache is
     already prefilled (hooks detached) and the token to feed next. Each round feeds every
     session one token, in an order rotating from round to round, through the same
-    ``kvchat.engine.generate.forward`` the decode loop uses, and times each call alone.
+    ``kvchat.chat.generate.forward`` the decode loop uses, and times each call alone.
     Neighbouring calls share the machine's state, so a burst of CPU contention hits every
     configuration of a round alike: the per-round ratios are far steadier than ratios of
     whole runs. Returns per name the step times and the tokens fed.
     """
     import torch
 
-    from kvchat.engine.generate import forward
+    from kvchat.chat.generate import forward
 
     names = list(entries)
     state = {name: entries[name][1] for name in names}

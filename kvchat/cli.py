@@ -39,7 +39,7 @@ MAX_MAX_MEM = 2**50  # 1 PiB
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    from kvchat.engine.planner import human_bytes, parse_size
+    from kvchat.kvdirect.planner import human_bytes, parse_size
 
     try:
         size = parse_size(value)
@@ -202,8 +202,8 @@ def _store(opts: dict[str, Any]):
 
 
 def _load(opts: dict[str, Any], quiet: bool = False):
-    from kvchat.engine.loader import load
-    from kvchat.engine.models import DEFAULT_MODEL
+    from kvchat.models.load import load
+    from kvchat.models.registry import DEFAULT_MODEL
 
     say = (lambda _m: None) if quiet else _note
     return load(
@@ -217,7 +217,7 @@ def _load(opts: dict[str, Any], quiet: bool = False):
 
 
 def _cache_settings(opts: dict[str, Any]):
-    from kvchat.engine.settings import CacheSettings
+    from kvchat.chat.settings import CacheSettings
 
     return CacheSettings(
         kind=opts["cache_kind"],
@@ -311,7 +311,7 @@ def run(**opts: Any) -> None:
     Exit status: 0 done, 1 error, 2 usage error, 3 a turn could not be saved, 130 Ctrl-C,
     143/129 SIGTERM/SIGHUP (see README, "The headless contract").
     """
-    from kvchat.engine.settings import SamplingSettings
+    from kvchat.chat.settings import SamplingSettings
 
     prompts = _read_prompts(opts)
     sampling = SamplingSettings(
@@ -367,7 +367,7 @@ def _open_run_session(opts: dict[str, Any]) -> Any:
     as_json = opts["as_json"]
     try:
         loaded = _load(opts, quiet=as_json)
-        from kvchat.engine.conversation import open_session
+        from kvchat.chat.conversation import open_session
 
         if not loaded.has_chat_template:
             _note(
@@ -392,7 +392,7 @@ def _open_run_session(opts: dict[str, Any]) -> Any:
 
 def _answer(session: Any, prompts: list[str], sampling: Any, as_json: bool) -> int:
     """Answer each prompt in turn; returns the exit status."""
-    from kvchat.engine.memory import format_memory_line
+    from kvchat.chat.memory import format_memory_line
 
     unsaved: list[int] = []  # turns answered but not on disk (a later save retries them)
     code = 0
@@ -477,7 +477,7 @@ def _turn_json(turn: int, prompt: str, result: Any, conversation: str | None) ->
 @click.option("--json", "as_json", is_flag=True)
 def models(as_json: bool) -> None:
     """List model aliases and which are available locally."""
-    from kvchat.engine.models import list_models
+    from kvchat.models.resolve import list_models
 
     rows = list_models()
     if as_json:
@@ -516,8 +516,8 @@ def inspect(
     model: str, dtype: str, n_tokens: int, as_json: bool, show_costs: bool, data_dir: str | None
 ) -> None:
     """Bytes per token per layer: K/V, residual checkpoint, standard-cache equivalent."""
-    from kvchat.engine.footprint import dtype_itemsize, footprint_from_config, load_config
-    from kvchat.engine.inspect_report import inspect_as_dict, render_inspect
+    from kvchat.kvdirect.footprint import dtype_itemsize, footprint_from_config, load_config
+    from kvchat.kvdirect.inspect_report import inspect_as_dict, render_inspect
 
     try:
         dtype_itemsize(dtype)
@@ -547,12 +547,12 @@ def _measured_costs(fp: Any, dtype: str, data_dir: str | None) -> dict[str, Any]
 
     import torch
 
-    from kvchat.engine.costs import device_costs
+    from kvchat.kvdirect.costs import device_costs
     from kvchat.paths import data_dir as resolve_data_dir
 
     dt = "float32" if dtype == "auto" else dtype
     costs = device_costs(fp, torch.device("cpu"), dt, resolve_data_dir(data_dir))
-    from kvchat.engine.costs import shape_key
+    from kvchat.kvdirect.costs import shape_key
 
     layer = fp.layers[0]
     shapes = {shape_key(x) for x in fp.layers}
@@ -591,7 +591,7 @@ def list_conversations(data_dir: str | None, as_json: bool) -> None:
     """Saved conversations (id, title, model, turns, tokens, disk, last use) and spill files."""
     from dataclasses import asdict
 
-    from kvchat.engine.planner import human_bytes
+    from kvchat.kvdirect.planner import human_bytes
     from kvchat.paths import data_dir as resolve_data_dir
     from kvchat.storage import ConversationStore
     from kvchat.storage.spill import spill_folders, spill_root
@@ -648,7 +648,7 @@ def list_conversations(data_dir: str | None, as_json: bool) -> None:
 @data_dir_option
 def delete(conversation_id: str, yes: bool, data_dir: str | None) -> None:
     """Delete a saved conversation and its residual files (asks first on a terminal)."""
-    from kvchat.engine.planner import human_bytes
+    from kvchat.kvdirect.planner import human_bytes
     from kvchat.storage.text import safe_terminal_text
 
     store = _store({"data_dir": data_dir})
@@ -709,7 +709,7 @@ def gc(data_dir: str | None, as_json: bool) -> None:
     interrupted deletes. Never touches a running session or a saved conversation."""
     from pathlib import Path
 
-    from kvchat.engine.planner import human_bytes
+    from kvchat.kvdirect.planner import human_bytes
     from kvchat.paths import data_dir as resolve_data_dir
     from kvchat.storage import ConversationStore
     from kvchat.storage.spill import spill_usage, sweep_stale_spill
@@ -870,9 +870,9 @@ _lab_command(
 
 
 def main() -> None:
-    from kvchat.engine.threads import prefer_passive_wait
+    from kvchat.models.threads import prefer_passive_wait
 
-    prefer_passive_wait()  # before anything imports torch: see kvchat.engine.threads
+    prefer_passive_wait()  # before anything imports torch: see kvchat.models.threads
     cli(prog_name="kvchat")
 
 

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvchat.engine.settings import SamplingSettings
+from kvchat.chat.settings import SamplingSettings
 
 Progress = Callable[[str], None]
-MemorySnapshot = dict[str, Any]  # the keys of kvchat.engine.memory.snapshot
+MemorySnapshot = dict[str, Any]  # the keys of kvchat.chat.memory.snapshot
 
 
 @dataclass
@@ -73,7 +73,7 @@ class LaunchOptions:
 
     @classmethod
     def from_cli(cls, opts: dict[str, Any]) -> LaunchOptions:
-        from kvchat.engine.models import DEFAULT_MODEL
+        from kvchat.models.registry import DEFAULT_MODEL
 
         return cls(
             model=opts.get("model") or DEFAULT_MODEL,
