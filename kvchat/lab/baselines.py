@@ -3,7 +3,7 @@
 These are what KV-Direct is compared against (``kvchat bench``, experiment ``eviction``). Each
 policy is a transformers cache layer; ``EvictionCache`` holds one per attention layer and
 hooks the model's attention modules. None of them is exact: a token they drop is gone, and
-the model's output drifts from the unbounded cache's. KV-Direct (``cache.py``) recomputes
+the model's output drifts from the unbounded cache's. KV-Direct (``kvdirect/cache.py``) recomputes
 dropped K/V from residual checkpoints instead and stays exact.
 
 Policies, each implemented from its paper (NVIDIA's kvpress would be preferred where faithful,

