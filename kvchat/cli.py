@@ -319,6 +319,29 @@ def resume(ctx: click.Context, conversation_id: str, **opts: Any) -> None:
 
 
 @cli.command()
+@click.argument("conversation_id")
+@click.option(
+    "--model",
+    "-m",
+    default=None,
+    help="The model it was saved with (default: the one its file names).",
+)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU threads (default: physical cores).",
+)
+@data_dir_option
+def repair(conversation_id: str, **opts: Any) -> None:  # fmt: skip
+    """Rebuild a conversation's damaged segments from its saved token ids, exactly."""
+    from kvchat.commands.repair import repair_conversation
+
+    repair_conversation(conversation_id, opts)
+
+
+@cli.command()
 @click.option(
     "--host",
     default="127.0.0.1",

@@ -126,6 +126,32 @@ def _streamed(layer: Any, pieces: list, hot_from: int | None) -> Any:
 READ_ROWS = 256
 
 
+def encode_calls(calls: list[int]) -> list[list[int]]:
+    """Forward-call sizes as runs ``[[rows, count], ...]`` (a reply's decode steps are one
+    run of ones), for a turn's manifest record."""
+    runs: list[list[int]] = []
+    for rows in calls:
+        if runs and runs[-1][0] == rows:
+            runs[-1][1] += 1
+        else:
+            runs.append([rows, 1])
+    return runs
+
+
+def decode_calls(runs: Any, rows: int) -> list[int]:
+    """The sizes :func:`encode_calls` wrote, which must add up to ``rows``; ValueError if
+    ``runs`` is not such a list (checked before expanding: a hostile count stays a number)."""
+    if not isinstance(runs, list) or not all(
+        isinstance(run, list) and len(run) == 2 and all(type(x) is int and x > 0 for x in run)
+        for run in runs
+    ):
+        raise ValueError("its forward calls are not a list of [rows, count] pairs")
+    total = sum(size * count for size, count in runs)
+    if total != rows:
+        raise ValueError(f"its forward calls add up to {total} positions, not {rows}")
+    return [size for size, count in runs for _ in range(count)]
+
+
 def note_saved(session: ChatSession, turn_index: int, since: int) -> None:
     """After a save: point each saved piece at its rows in the segment, so the disk tier
     reads them from there (and never writes them again), and remember where the hot K/V
@@ -137,8 +163,13 @@ def note_saved(session: ChatSession, turn_index: int, since: int) -> None:
     if not isinstance(cache, KVDirectCache):
         return
     conversation = session.conversation
-    layout = conversation.tensor_layout(turn_index)
     path = conversation.segment_path(turn_index)
+    bind_segment(cache, conversation.tensor_layout(turn_index), path, since)
+
+
+def bind_segment(cache: Any, layout: dict, path: Path, since: int) -> None:
+    """:func:`note_saved` for a segment written at ``path`` with tensors at ``layout``
+    (what a save from ``since`` wrote), whichever conversation file it is."""
     for entry in _save_plan(cache, since):
         i, layer = entry["index"], entry["layer"]
         if entry["residual"] and f"L{i}.residual" in layout:
@@ -188,7 +219,7 @@ def restore(session: ChatSession, conversation: Any, n_cached: int) -> None:
         _restore_standard(session, conversation, n_cached)
         return
     device = session.loaded.device
-    for turn in _turns_from_last_rebase(conversation):
+    for turn in turns_from_last_rebase(conversation):
         layout = conversation.tensor_layout(turn.index)
         path = conversation.segment_path(turn.index)
         small = _small_tensors(conversation, turn.index, layout)
@@ -233,7 +264,8 @@ def restore(session: ChatSession, conversation: Any, n_cached: int) -> None:
         layer.keep_under_budget()
 
 
-def _turns_from_last_rebase(conversation: Any) -> list:
+def turns_from_last_rebase(conversation: Any) -> list:
+    """The turns whose segments make up the state: from the last rebase turn on."""
     turns = conversation.manifest.turns
     rebased = [t.index for t in turns if t.extra.get("rebase")]
     return turns[rebased[-1] - 1 :] if rebased else turns
@@ -264,7 +296,7 @@ def _restore_standard(session: ChatSession, conversation: Any, n_cached: int) ->
     cache = session.cache
     device = session.loaded.device
     parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-    for turn in _turns_from_last_rebase(conversation):
+    for turn in turns_from_last_rebase(conversation):
         layout = conversation.tensor_layout(turn.index)
         if not any(name.endswith(".k") for name in layout):
             if any(name.endswith((".residual", ".kv")) for name in layout):

@@ -54,6 +54,7 @@ class ChatSession:
         system: str | None = None,
         cache: CacheSettings | None = None,
         spill_root: Path | None = None,
+        forms: list[str] | None = None,
     ) -> None:
         self.loaded = loaded
         self.system = system
@@ -68,12 +69,13 @@ class ChatSession:
         self._saved_upto = 0  # cache positions already in the conversation's files
         self._unsaved_messages: list[dict[str, str]] = []
         self._unsaved_ids: list[int] = []
+        self._unsaved_calls: list[int] = []  # rows of each forward call since the last save
         self._rebase = False  # the state was rebuilt from text: save it whole, from 0
         self._cache_broken = False  # a forward call failed half way: rebuild before reuse
         self.spill_root: Path | None = spill_root  # where the disk tier spills (data dir)
         self.plan: Any = None  # the planner's last Plan (kvdirect under a ceiling)
         self.state_peak_bytes = 0  # the most resident state held at once (see memory.py)
-        self._build_cache()
+        self._build_cache(forms)
 
     # -- cache ---------------------------------------------------------------------------
     def _build_cache(self, forms: list[str] | None = None) -> None:
@@ -130,6 +132,12 @@ class ChatSession:
         """Plan for ``n_new`` more tokens and meet the plan (what every forward call of a
         session runs first; benchmarks that drive the model directly call it too)."""
         self._before_forward(n_new)
+
+    def _before_call(self, n_new: int) -> None:
+        """``before_forward`` for the calls of a turn, which also records their sizes: a
+        repair replays them, because the same rows fed in other chunks give other bits."""
+        self.before_forward(n_new)
+        self._unsaved_calls.append(n_new)
 
     def _before_forward(self, n_new: int) -> None:
         self._note_state_peak()
@@ -280,6 +288,7 @@ class ChatSession:
                 self._detach_cache()
                 self._build_cache()
                 self.token_ids = []
+                self._unsaved_calls = []
                 self._rebase = True  # the next save replaces the saved state (see save)
                 self._cache_broken = False
             new_ids = self._tokenize(full)
@@ -321,7 +330,7 @@ class ChatSession:
                 settings=sampling,
                 stop_ids=self.stop_ids(),
                 prefill_chunk=prefill_chunk,
-                before_forward=self.before_forward,
+                before_forward=self._before_call,
                 on_token=on_token,
                 should_stop=should_stop,
                 on_progress=on_progress,
@@ -389,7 +398,7 @@ class ChatSession:
     def save(self) -> str | None:
         """Write what changed since the last save as one turn; returns an error message or
         None. On failure the conversation stays in memory and the next save retries."""
-        from kvchat.chat.persist import note_saved, turn_tensors
+        from kvchat.chat.persist import encode_calls, note_saved, turn_tensors
         from kvchat.errors import StorageError
 
         n_cached = self.cache.get_seq_length()
@@ -407,7 +416,12 @@ class ChatSession:
                 messages=self._unsaved_messages,
                 token_ids=list(self.token_ids) if self._rebase else self._unsaved_ids,
                 tensors=turn_tensors(self.cache, since),
-                extra={"n_cached": n_cached, "memory": self.memory(), "rebase": self._rebase},
+                extra={
+                    "n_cached": n_cached,
+                    "memory": self.memory(),
+                    "rebase": self._rebase,
+                    "calls": encode_calls(self._unsaved_calls),
+                },
                 engine_state={
                     "rendered": self._rendered,
                     "system": self.system,
@@ -420,7 +434,7 @@ class ChatSession:
         except StorageError as exc:
             return str(exc)
         self._saved_upto = n_cached
-        self._unsaved_messages, self._unsaved_ids = [], []
+        self._unsaved_messages, self._unsaved_ids, self._unsaved_calls = [], [], []
         self._rebase = False
         try:
             note_saved(self, len(self.conversation.manifest.turns), since)

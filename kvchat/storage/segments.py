@@ -211,6 +211,28 @@ def tensor_layout(path: Path, conv_id: str = "?") -> dict[str, TensorLocation]:
     return out
 
 
+def content_digest(path: Path, conv_id: str = "?") -> str:
+    """sha256 over each tensor's name, dtype, shape and bytes, in name order: equal for two
+    files holding the same tensors, whichever writer laid them out (safetensors' own writer
+    orders the header and the data its own way)."""
+    digest = hashlib.sha256()
+    layout = tensor_layout(path, conv_id)
+    fd = open_regular(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        for name in sorted(layout):
+            where = layout[name]
+            digest.update(json.dumps([name, str(where.dtype), list(where.shape)]).encode())
+            f.seek(where.offset)
+            left = where.nbytes
+            while left:
+                block = f.read(min(left, 8 << 20))
+                if not block:
+                    raise _corrupted(path, conv_id, f"tensor {name!r} is cut short")
+                digest.update(block)
+                left -= len(block)
+    return digest.hexdigest()
+
+
 def write_segment(path: Path, data: bytes) -> None:
     """Write a segment atomically and durably (see atomic.write_atomic)."""
     write_atomic(path, data)
@@ -219,8 +241,8 @@ def write_segment(path: Path, data: bytes) -> None:
 def _corrupted(path: Path, conv_id: str, why: str) -> SegmentCorruptedError:
     return SegmentCorruptedError(
         f"segment {path.name} of conversation {conv_id} is corrupted ({one_line(why)}); "
-        f"the other turns are stored separately — run `kvchat export {conv_id}` to save the "
-        f"text, or `kvchat delete {conv_id}`"
+        f"run `kvchat repair {conv_id}` to rebuild it from the saved token ids (or `kvchat "
+        f"export {conv_id}` to save the text, `kvchat delete {conv_id}` to remove it)"
     )
 
 

@@ -43,7 +43,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from kvchat.errors import StorageError
 from kvchat.storage import segments
-from kvchat.storage.atomic import DirSyncError, fsync_dir, is_temp_name, write_text_atomic
+from kvchat.storage.atomic import (
+    TMP_MARK,
+    DirSyncError,
+    fsync_dir,
+    is_temp_name,
+    write_text_atomic,
+)
 from kvchat.storage.lock import ConversationLock
 from kvchat.storage.manifest import (
     SEGMENT_NAME_RE,
@@ -329,6 +335,51 @@ class Conversation:
                 self._settle_failed_save(seg_path, new, text)
                 raise
             segments.remember(seg_path, info.sha256)
+            self.manifest = new
+
+    def staging_path(self, index: int) -> Path:
+        """Where a rebuilt segment of turn ``index`` is written before it replaces the old
+        one: a temporary name, so a crash leaves debris that the next open sweeps."""
+        name = self._turn(index).segment.file
+        return self.path / SEGMENTS_DIR / f".{name}{TMP_MARK}repair-{os.getpid()}"
+
+    def replace_segments(self, staged: Mapping[int, segments.SegmentInfo]) -> None:
+        """Put rebuilt segments (written at ``staging_path(index)``, described by ``staged``)
+        in place of turns' segments, and record their checksums.
+
+        Each file is renamed over the old one, then the manifest is replaced. A crash
+        between the two leaves a segment that fails its old checksum: the conversation then
+        reads as damaged at that turn, and a repair run again fixes it.
+        """
+        with self._mutex:
+            self._check_open()
+            infos = {}
+            for index, info in staged.items():
+                target = self._turn(index).segment.file
+                infos[index] = segments.SegmentInfo(target, info.sha256, info.nbytes)
+            turns = [
+                dataclasses.replace(t, segment=infos[t.index]) if t.index in infos else t
+                for t in self.manifest.turns
+            ]
+            new = dataclasses.replace(self.manifest, turns=turns, updated=utc_now())
+            text = new.to_json()
+            try:
+                for index in infos:
+                    final = self.path / SEGMENTS_DIR / infos[index].file
+                    segments.forget(final)
+                    os.replace(self.staging_path(index), final)
+                fsync_dir(self.path / SEGMENTS_DIR)
+                try:
+                    write_text_atomic(self.path / MANIFEST_NAME, text)
+                except DirSyncError:
+                    pass  # renamed into place: committed
+            except OSError as e:
+                raise SaveFailedError(
+                    f"rebuilding conversation {self.id} failed while replacing its segments "
+                    f"({one_line(e.strerror or e)}); check the disk and run the repair again"
+                ) from e
+            for info in infos.values():
+                segments.remember(self.path / SEGMENTS_DIR / info.file, info.sha256)
             self.manifest = new
 
     def _settle_failed_save(self, seg_path: Path, new: Manifest, text: str) -> bool:
