@@ -31,7 +31,6 @@ reply tokens are real; the Gemma prompt is seeded random token ids.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -41,7 +40,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch loads)
-from bench_resume import user_text  # noqa: E402
+from common import user_text  # noqa: E402
+
+from kvchat.lab import harness  # noqa: E402
 
 TARGETS = {("2K", "25%"): 0.6, ("8K", "25%"): 0.5, ("8K", "2MB"): 0.25, ("4K", "64MB"): 0.8}
 
@@ -52,21 +53,14 @@ def drop_page_cache(root: Path) -> None:
         if not path.is_file():
             continue
         try:
-            fd = os.open(path, os.O_RDONLY)
+            harness.drop_pages(path)
         except OSError:
             continue
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def decode_pair(loaded: Any, base: Any, bounded: Any, token: int, steps: int, cold: Path | None):
     """Decode ``steps`` tokens on both caches in turn; step times and tokens of each."""
     import torch
-
-    from kvchat.chat.generate import forward
 
     sessions = {"standard": base, "bounded": bounded}
     state = {"standard": token, "bounded": token}
@@ -74,20 +68,11 @@ def decode_pair(loaded: Any, base: Any, bounded: Any, token: int, steps: int, co
     tokens: dict[str, list[int]] = {"standard": [], "bounded": []}
     with torch.inference_mode():
         for step in range(steps):
-            for name in common.rotated(list(sessions), step):
-                session = sessions[name]
+            for name in harness.rotated(list(sessions), step):
                 if cold is not None and name == "bounded":
                     drop_page_cache(cold)
-                t0 = time.perf_counter()
-                logits = forward(
-                    loaded.model,
-                    session.cache,
-                    [state[name]],
-                    loaded.device,
-                    session.before_forward,
-                )
-                times[name].append(time.perf_counter() - t0)
-                state[name] = int(torch.argmax(logits).item())
+                state[name], seconds = common.timed_step(loaded, sessions[name], state[name])
+                times[name].append(seconds)
                 tokens[name].append(state[name])
     return times, tokens
 
@@ -101,7 +86,7 @@ def smollm2_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     contexts = [("1K", 1024)] if args.quick else [("2K", 2048), ("8K", 8192)]
     for label, n in contexts:
         text, n_prompt = user_text(loaded, n, seed=0)
-        common.say(f"{label}: {n_prompt}-token prompt")
+        harness.say(f"{label}: {n_prompt}-token prompt")
         one = SamplingSettings(max_new_tokens=1)
         root = Path(tempfile.mkdtemp(prefix="kvchat-bench-bounded-"))
         base = open_session(loaded, data_dir=root, cache=CacheSettings(kind="standard"), save=False)
@@ -138,9 +123,9 @@ def smollm2_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                     mem = bounded.memory()
                     bounded.close()
                     reference.close()
-                    common.collect()
+                    harness.collect()
                     rows.append(row(label, cname, form, cold, times, tokens, mem))
-                    common.say(f"  {rows[-1]['summary']}")
+                    harness.say(f"  {rows[-1]['summary']}")
         base.close()
     return rows
 
@@ -160,7 +145,7 @@ def gemma_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvchat.models.loaded import LoadedModel
 
     config = config_from_dict(bundled_config_dict("gemma-3-4b")).get_text_config()
-    common.say("building a Gemma-3-4B-shaped model with random bf16 weights")
+    harness.say("building a Gemma-3-4B-shaped model with random bf16 weights")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     fp = footprint_from_config(model.config, "bfloat16")
@@ -176,10 +161,10 @@ def gemma_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     with torch.inference_mode():
         t0 = time.perf_counter()
         first = int(torch.argmax(prefill(model, base.cache, ids, loaded.device, 256)))
-        common.say(f"  standard prefill {time.perf_counter() - t0:.0f} s")
+        harness.say(f"  standard prefill {time.perf_counter() - t0:.0f} s")
         t0 = time.perf_counter()
         logits = prefill(model, bounded.cache, ids, loaded.device, 256, bounded.before_forward)
-        common.say(f"  bounded prefill {time.perf_counter() - t0:.0f} s")
+        harness.say(f"  bounded prefill {time.perf_counter() - t0:.0f} s")
     assert int(torch.argmax(logits)) == first
     token = first
     for cold in (False, True):  # the same two sessions go on decoding, warm then cold
@@ -189,13 +174,13 @@ def gemma_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         token = tokens["bounded"][-1]
         label = "4K" if n == 4096 else "1K"
         rows.append(row(label, "64MB", "auto", cold, times, tokens, bounded.memory()))
-        common.say(f"  {rows[-1]['summary']}")
+        harness.say(f"  {rows[-1]['summary']}")
     bounded.close()
     return rows
 
 
 def row(context, ceiling, form, cold, times, tokens, mem) -> dict[str, Any]:
-    ratio = common.paired_step_ratio(times["standard"], times["bounded"])
+    ratio = harness.median_ratio(times["standard"], times["bounded"])
     target = TARGETS.get((context, ceiling))
     same = tokens["standard"] == tokens["bounded"]
     out = {
@@ -204,13 +189,13 @@ def row(context, ceiling, form, cold, times, tokens, mem) -> dict[str, Any]:
         "checkpoint": form,
         "disk": "cold" if cold else "warm",
         "decode_ratio": round(ratio, 3),
-        "standard_step_ms": round(1000 * common.median(times["standard"]), 1),
-        "bounded_step_ms": round(1000 * common.median(times["bounded"]), 1),
+        "standard_step_ms": round(1000 * harness.median(times["standard"]), 1),
+        "bounded_step_ms": round(1000 * harness.median(times["bounded"]), 1),
         "same_tokens": same,
-        "resident_bytes": mem["state_bytes"],
-        "standard_equivalent_bytes": mem["standard_equivalent_bytes"],
-        "disk_bytes": mem["disk_bytes"],
-        "plan": mem.get("plan"),
+        "resident_bytes": mem.state_bytes,
+        "standard_equivalent_bytes": mem.standard_equivalent_bytes,
+        "disk_bytes": mem.disk_bytes,
+        "plan": mem.plan,
         "target": target,
         "meets_target": None if target is None or cold or form != "auto" else ratio >= target,
     }
@@ -233,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results/bench_bounded.json")
     args = parser.parse_args(argv)
     args.steps = args.steps or (6 if args.quick else 12)
+    wall = harness.stopwatch()
     common.set_threads(args.threads)
+    env = harness.environment(args.threads)
     rows = [] if args.gemma_only else smollm2_rows(args)
     if args.gemma or args.gemma_only:
         rows += gemma_rows(args)
@@ -243,15 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     table = [
         [r["context"], r["ceiling"], r["checkpoint"], r["disk"], f"{r['decode_ratio']:.2f}x",
          f"{r['bounded_step_ms']} / {r['standard_step_ms']}", "yes" if r["same_tokens"] else "NO",
-         f"{common.human_bytes(r['resident_bytes'])} / "
-         f"{common.human_bytes(r['standard_equivalent_bytes'])}",
-         common.human_bytes(r["disk_bytes"]),
+         f"{harness.human_bytes(r['resident_bytes'])} / "
+         f"{harness.human_bytes(r['standard_equivalent_bytes'])}",
+         harness.human_bytes(r["disk_bytes"]),
          "" if r["target"] is None else f">= {r['target']}x"
          + ("" if r["meets_target"] is None else (" met" if r["meets_target"] else " MISSED"))]
         for r in rows
     ]  # fmt: skip
-    print(common.markdown_table(headers, table))
-    common.write_json(args.out, {"environment": common.environment(args.threads), "rows": rows})
+    print(harness.markdown_table(headers, table))
+    harness.save_run(args.out, "bench_bounded", {"rows": rows}, env, wall())
     return 0 if all(r["same_tokens"] for r in rows) else 1
 
 

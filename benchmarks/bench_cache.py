@@ -44,14 +44,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
+import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
+
+from kvchat.lab import harness  # noqa: E402
+from kvchat.lab.prompts import seeded_ids  # noqa: E402
 
 FORMS = ("residual", "kv", "auto")
 BUDGETS = ("all", "25%", "64")
@@ -100,9 +102,8 @@ def run_config(
     With ``keep`` the (detached) session is returned under ``"session"`` for the
     step-interleaved phase, which continues decoding from where this run stopped.
     """
-    from kvchat.chat.generate import generate
     from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.chat.settings import CacheSettings
 
     if budget is None:
         settings = CacheSettings(kind="standard", prefill_chunk=CHUNK)
@@ -115,30 +116,17 @@ def run_config(
     session = ChatSession(loaded, cache=settings)
     cache = session.cache
     stats = getattr(cache, "stats", None)
-    n_prefill_calls = -(-len(prompt) // CHUNK)
-    calls: list[float] = []
     at_decode: dict[str, float] = {}
 
-    def before_forward(n_new: int) -> None:
-        if len(calls) == n_prefill_calls and stats is not None:
-            at_decode["recompute_seconds"] = stats.recompute_seconds
-            at_decode["recomputed_tokens"] = stats.recomputed_tokens
-            at_decode["scratch_peak_bytes"] = stats.scratch_peak_bytes
-        session.before_forward(n_new)
-        calls.append(time.perf_counter())
+    def after_prefill() -> None:
+        at_decode["recompute_seconds"] = stats.recompute_seconds
+        at_decode["recomputed_tokens"] = stats.recomputed_tokens
+        at_decode["scratch_peak_bytes"] = stats.scratch_peak_bytes
 
     try:
-        outcome = generate(
-            loaded.model,
-            cache,
-            prompt,
-            device=loaded.device,
-            settings=SamplingSettings(max_new_tokens=new_tokens),
-            stop_ids=set(),
-            prefill_chunk=CHUNK,
-            before_forward=before_forward,
+        outcome, steps = common.stamped_generate(
+            loaded, session, prompt, new_tokens, CHUNK, after_prefill if stats is not None else None
         )
-        assert len(outcome.tokens) == new_tokens, outcome.finish_reason
         session.token_ids = list(prompt) + list(outcome.tokens)
         mem = session.memory()
         held = storage_bytes_held(cache)
@@ -150,11 +138,10 @@ def run_config(
     recompute_total = stats.recompute_seconds if stats is not None else 0.0
     recompute_prefill = at_decode.get("recompute_seconds", recompute_total)
     recompute_decode = recompute_total - recompute_prefill
-    steps = [b - a for a, b in zip(calls[n_prefill_calls:], calls[n_prefill_calls + 1 :])]
     return {
         "prefill_seconds": outcome.prefill_seconds,
         "decode_seconds": outcome.decode_seconds,
-        "step_median_seconds": common.median(steps),
+        "step_median_seconds": harness.median(steps),
         "recompute_prefill_seconds": recompute_prefill,
         "recompute_decode_seconds": recompute_decode,
         "recomputed_tokens_decode": (
@@ -162,8 +149,10 @@ def run_config(
         ),
         "scratch_peak_prefill_bytes": at_decode.get("scratch_peak_bytes", 0),
         "forms": label,
-        "hot_window": mem["hot_window"],
-        "memory": {k: v for k, v in mem.items() if k.endswith("_bytes") or k.endswith("tokens")},
+        "hot_window": mem.hot_window,
+        "memory": {
+            k: v for k, v in mem.to_dict().items() if k.endswith("_bytes") or k.endswith("tokens")
+        },
         "storage_bytes_held": held,
         "tokens": outcome.tokens,
         **extra,
@@ -181,7 +170,7 @@ def measure_context(
 ) -> dict[str, Any]:
     from kvchat.kvdirect.planner import choose_forms
 
-    prompt = common.seeded_prompt(loaded, context, seed)
+    prompt = seeded_ids(loaded, context, seed)
     total = context + new_tokens + lock_steps
     configs: list[tuple[str, str | None, str | None]] = [(BASELINE, None, None)]
     for budget in BUDGETS:
@@ -209,54 +198,56 @@ def measure_context(
     # the ones that recompute are several times slower, whole-run ratios show them well.
     interleave = {name for name, _, _ in measured if not evicts.get(name, False)}
 
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in measured}
+    spec = {name: (budget, form) for name, budget, form in measured}
     kept: dict[str, Any] = {}
-    for rep in range(repeats):
-        for name, budget, form in common.rotated(measured, rep):
-            keep = rep == repeats - 1 and lock_steps > 0 and name in interleave
-            common.collect()
-            t0 = time.perf_counter()
-            r = run_config(loaded, prompt, new_tokens, budget, form, keep=keep, total_tokens=total)
-            if keep:
-                kept[name] = (r.pop("session"), r.pop("next_token"))
-            runs[name].append(r)
-            common.say(
-                f"  ctx {context} repeat {rep + 1}/{repeats} {name:16s} "
-                f"prefill {r['prefill_seconds']:6.1f}s decode "
-                f"{(new_tokens - 1) / r['decode_seconds']:6.2f} tok/s "
-                f"recompute {r['recompute_decode_seconds']:6.2f}s "
-                f"({time.perf_counter() - t0:.0f}s)"
-            )
+
+    def measure(name: str, rep: int) -> dict[str, Any]:
+        keep = rep == repeats - 1 and lock_steps > 0 and name in interleave
+        budget, form = spec[name]
+        elapsed = harness.stopwatch()
+        r = run_config(loaded, prompt, new_tokens, budget, form, keep=keep, total_tokens=total)
+        if keep:
+            kept[name] = (r.pop("session"), r.pop("next_token"))
+        harness.say(
+            f"  ctx {context} repeat {rep + 1}/{repeats} {name:16s} "
+            f"prefill {r['prefill_seconds']:6.1f}s decode "
+            f"{(new_tokens - 1) / r['decode_seconds']:6.2f} tok/s "
+            f"recompute {r['recompute_decode_seconds']:6.2f}s "
+            f"({elapsed():.0f}s)"
+        )
+        return r
+
+    runs = harness.interleaved(spec, repeats, measure)
 
     interleaved = None
     if kept:
-        common.say(
+        harness.say(
             f"  ctx {context}: {lock_steps} step-interleaved decode rounds over "
             f"{', '.join(kept)} ..."
         )
         interleaved = common.interleaved_decode(loaded, kept, lock_steps)
         kept.clear()
-        common.collect()
+        harness.collect()
 
     steps = new_tokens - 1
     base = runs[BASELINE]
-    dynamic_kv_bytes = common.median([r["memory"]["hot_kv_bytes"] for r in base])
+    dynamic_kv_bytes = harness.median([r["memory"]["hot_kv_bytes"] for r in base])
     summary: dict[str, Any] = {}
     for name, budget, form in measured:
         rs = runs[name]
         decode_tps = [steps / r["decode_seconds"] for r in rs]
-        decode_ratio = [b["decode_seconds"] / r["decode_seconds"] for r, b in zip(rs, base)]
-        step_ratio = [b["step_median_seconds"] / r["step_median_seconds"] for r, b in zip(rs, base)]
-        prefill_ratio = [b["prefill_seconds"] / r["prefill_seconds"] for r, b in zip(rs, base)]
+        decode_ratio = harness.paired_ratios(base, rs, "decode_seconds")
+        step_ratio = harness.paired_ratios(base, rs, "step_median_seconds")
+        prefill_ratio = harness.paired_ratios(base, rs, "prefill_seconds")
         share = [r["recompute_decode_seconds"] / r["decode_seconds"] for r in rs]
         lock = None
         if interleaved is not None and name in interleaved["step_seconds"]:
             times = interleaved["step_seconds"]
             lock = {
                 "steps": lock_steps,
-                "step_median_ms": 1000 * common.median(times[name]),
-                "decode_tokens_per_s": 1 / common.median(times[name]),
-                "paired_ratio": common.paired_step_ratio(times[BASELINE], times[name]),
+                "step_median_ms": 1000 * harness.median(times[name]),
+                "decode_tokens_per_s": 1 / harness.median(times[name]),
+                "paired_ratio": harness.median_ratio(times[BASELINE], times[name]),
                 "tokens_match": interleaved["tokens"][name] == interleaved["tokens"][BASELINE],
             }
         mem = rs[-1]["memory"]  # deterministic: identical in every repeat
@@ -267,15 +258,15 @@ def measure_context(
             "same_as": None,
             "forms": rs[-1]["forms"],
             "hot_window": rs[-1]["hot_window"],
-            "prefill_tokens_per_s": common.median([context / r["prefill_seconds"] for r in rs]),
-            "prefill_ratio": common.median(prefill_ratio),
-            "decode_tokens_per_s": common.median(decode_tps),
-            "decode_ratio": common.median(decode_ratio),
-            "step_median_ratio": common.median(step_ratio),
-            "decode_spread": common.spread(decode_tps),
-            "recompute_share_of_decode": common.median(share),
-            "recompute_decode_seconds": common.median([r["recompute_decode_seconds"] for r in rs]),
-            "recompute_prefill_seconds": common.median(
+            "prefill_tokens_per_s": harness.median([context / r["prefill_seconds"] for r in rs]),
+            "prefill_ratio": harness.median(prefill_ratio),
+            "decode_tokens_per_s": harness.median(decode_tps),
+            "decode_ratio": harness.median(decode_ratio),
+            "step_median_ratio": harness.median(step_ratio),
+            "decode_spread": harness.spread(decode_tps),
+            "recompute_share_of_decode": harness.median(share),
+            "recompute_decode_seconds": harness.median([r["recompute_decode_seconds"] for r in rs]),
+            "recompute_prefill_seconds": harness.median(
                 [r["recompute_prefill_seconds"] for r in rs]
             ),
             "recomputed_tokens_decode": rs[-1]["recomputed_tokens_decode"],
@@ -342,15 +333,15 @@ def print_context(result: dict[str, Any], model: str, threads: int) -> list[dict
                 cache,
                 b,
                 s["forms"],
-                common.fmt(s["prefill_tokens_per_s"], 0),
-                common.fmt(s["decode_tokens_per_s"], 2),
-                common.fmt(s["decode_ratio"], 3),
-                common.fmt(s["step_median_ratio"], 3),
-                common.fmt(s["interleaved"]["paired_ratio"], 3) if s["interleaved"] else "-",
+                harness.fmt(s["prefill_tokens_per_s"], 0),
+                harness.fmt(s["decode_tokens_per_s"], 2),
+                harness.fmt(s["decode_ratio"], 3),
+                harness.fmt(s["step_median_ratio"], 3),
+                harness.fmt(s["interleaved"]["paired_ratio"], 3) if s["interleaved"] else "-",
                 f"{100 * s['recompute_share_of_decode']:.0f}%",
-                common.human_bytes(mem["state_bytes"]),
+                harness.human_bytes(mem["state_bytes"]),
                 " / ".join(
-                    common.human_bytes(mem[k])
+                    harness.human_bytes(mem[k])
                     for k in ("hot_kv_bytes", "checkpoint_bytes", "scratch_peak_bytes")
                 ),
                 f"{s['state_vs_standard_equivalent']:.2f}x",
@@ -362,12 +353,12 @@ def print_context(result: dict[str, Any], model: str, threads: int) -> list[dict
         f"\n### context {context} tokens, {new_tokens} decoded (greedy, no early stop): "
         f"{model}, CPU {threads} threads, median of {result['repeats']} interleaved repeats\n"
     )
-    print(common.markdown_table(headers, rows))
+    print(harness.markdown_table(headers, rows))
     std = next(iter(summary.values()))["memory"]["standard_equivalent_bytes"]
     print(
         f"\nstandard-cache equivalent at {context + new_tokens - 1} tokens: "
-        f"{common.human_bytes(std)}; DynamicCache K/V actually held: "
-        f"{common.human_bytes(next(iter(summary.values()))['dynamic_cache_kv_bytes'])}"
+        f"{harness.human_bytes(std)}; DynamicCache K/V actually held: "
+        f"{harness.human_bytes(next(iter(summary.values()))['dynamic_cache_kv_bytes'])}"
     )
     checks = []
     for form in FORMS:
@@ -430,27 +421,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="measure configurations that build the same cache separately (default: once)",
     )
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--quick", action="store_true", help="contexts 512 and 1024, 16 tokens, 2 repeats"
-    )
-    parser.add_argument("--out", default="results/bench_cache.json")
+    common.add_run_options(parser, "bench_cache", "contexts 512 and 1024, 16 tokens, 2 repeats")
     args = parser.parse_args(argv)
 
     contexts = args.contexts or ([512, 1024] if args.quick else [2048, 8192])
     if args.new_tokens is not None and args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3")
 
-    wall0 = time.perf_counter()
+    wall = harness.stopwatch()
     common.set_threads(args.threads)
-    env = common.environment(args.threads)
-    common.say(f"loading {args.model} ({args.dtype}) ...")
+    env = harness.environment(args.threads)
+    harness.say(f"loading {args.model} ({args.dtype}) ...")
     loaded = common.load_model(args.model, args.dtype)
 
-    common.say("warming up ...")
-    warm = common.seeded_prompt(loaded, 96, args.seed + 1)
+    harness.say("warming up ...")
+    warm = seeded_ids(loaded, 96, args.seed + 1)
     run_config(loaded, warm, 4, None, None)
     for form in FORMS:
         run_config(loaded, warm, 4, "25%", form)
@@ -460,15 +445,15 @@ def main(argv: list[str] | None = None) -> int:
         long = context > 4096 or args.quick
         new_tokens = args.new_tokens or (16 if long else 32)
         repeats = args.repeats or (2 if long else 3)
-        t0 = time.perf_counter()
+        elapsed = harness.stopwatch()
         lock_steps = new_tokens if args.interleaved_steps is None else args.interleaved_steps
         result = measure_context(
             loaded, context, new_tokens, repeats, args.seed, lock_steps, args.all_configs
         )
-        result["wall_seconds"] = time.perf_counter() - t0
+        result["wall_seconds"] = elapsed()
         results.append(result)
 
-    wall = time.perf_counter() - wall0
+    wall_seconds = wall()
     print(
         f"\n## bench_cache: {loaded.name} {loaded.dtype}, CPU {args.threads} threads, "
         f"prefill chunk {CHUNK}, baseline {BASELINE} in the same run"
@@ -486,10 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         "divides it by the footprint's standard-cache equivalent, 'vs DynamicCache' by the "
         "K/V bytes the baseline actually held."
     )
-    print(f"wall time {wall:.0f} s")
+    print(f"wall time {wall_seconds:.0f} s")
 
-    data = {
-        "benchmark": "bench_cache",
+    fields = {
         "model": loaded.name,
         "dtype": loaded.dtype,
         "prefill_chunk": CHUNK,
@@ -497,13 +481,10 @@ def main(argv: list[str] | None = None) -> int:
         "budgets": list(BUDGETS),
         "forms": list(FORMS),
         "prompt": f"seeded random token ids (seed {args.seed}, no special tokens)",
-        "environment": env,
         "contexts": results,
         "checks": checks,
-        "wall_seconds": wall,
     }
-    out = common.write_json(args.out, data)
-    common.say(f"wrote {out}")
+    harness.save_run(args.out, "bench_cache", fields, env, wall_seconds)
     return 0
 
 

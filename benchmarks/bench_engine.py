@@ -37,7 +37,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
+import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
+
+from kvchat.lab import harness  # noqa: E402
+from kvchat.lab.prompts import seeded_ids  # noqa: E402
 
 DECODE_TARGET = 0.95
 BASELINE = "hf generate"
@@ -46,19 +49,11 @@ BASELINE = "hf generate"
 # -- one measured run per configuration ------------------------------------------------------
 def run_hf_generate(loaded: Any, prompt: list[int], new_tokens: int) -> dict[str, Any]:
     import torch
-    from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
-
-    class Stamp(LogitsProcessor):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            self.times.append(time.perf_counter())
-            return scores
+    from transformers import DynamicCache, LogitsProcessorList
 
     model = loaded.model
     cache = DynamicCache(config=model.config)
-    stamp = Stamp()
+    stamps: list[float] = []
     input_ids = torch.tensor([prompt], dtype=torch.long, device=loaded.device)
     t0 = time.perf_counter()
     out = model.generate(
@@ -68,7 +63,7 @@ def run_hf_generate(loaded: Any, prompt: list[int], new_tokens: int) -> dict[str
         do_sample=False,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
-        logits_processor=LogitsProcessorList([stamp]),
+        logits_processor=LogitsProcessorList([common.stamping_processor(stamps)]),
         pad_token_id=loaded.tokenizer.eos_token_id,
         temperature=None,
         top_p=None,
@@ -79,26 +74,21 @@ def run_hf_generate(loaded: Any, prompt: list[int], new_tokens: int) -> dict[str
     # generate must have used (and filled) the DynamicCache it was given
     assert type(cache) is DynamicCache, type(cache)
     assert cache.get_seq_length() == len(prompt) + new_tokens - 1, cache.get_seq_length()
-    assert len(stamp.times) == new_tokens and len(tokens) == new_tokens
+    assert len(stamps) == new_tokens and len(tokens) == new_tokens
     return {
-        "prefill_seconds": stamp.times[0] - t0,
-        "decode_seconds": stamp.times[-1] - stamp.times[0],
+        "prefill_seconds": stamps[0] - t0,
+        "decode_seconds": stamps[-1] - stamps[0],
         "total_seconds": end - t0,
-        "step_seconds": _diffs(stamp.times),
+        "step_seconds": harness.intervals(stamps),
         "tokens": tokens,
     }
-
-
-def _diffs(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:])]
 
 
 def run_kvchat(
     loaded: Any, prompt: list[int], new_tokens: int, chunk: int, standard: bool = False
 ) -> dict[str, Any]:
-    from kvchat.chat.generate import generate
     from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.chat.settings import CacheSettings
 
     settings = CacheSettings(prefill_chunk=chunk, kind="standard" if standard else "kvdirect")
     session = ChatSession(loaded, cache=settings)
@@ -106,35 +96,17 @@ def run_kvchat(
     if not standard:
         forms = {layer.form for layer in cache.layers}
         assert forms == {"kv"}, f"default session cache is not all-kv: {forms}"
-    n_prefill_calls = -(-len(prompt) // chunk)
-    calls: list[float] = []
-
-    def before_forward(n_new: int) -> None:
-        session.before_forward(n_new)
-        calls.append(time.perf_counter())
-
     try:
         t0 = time.perf_counter()
-        outcome = generate(
-            loaded.model,
-            cache,
-            prompt,
-            device=loaded.device,
-            settings=SamplingSettings(max_new_tokens=new_tokens),
-            stop_ids=set(),
-            prefill_chunk=chunk,
-            before_forward=before_forward,
-        )
+        outcome, steps = common.stamped_generate(loaded, session, prompt, new_tokens, chunk)
         end = time.perf_counter()
     finally:
         session.close()
-    assert len(outcome.tokens) == new_tokens, outcome.finish_reason
     return {
         "prefill_seconds": outcome.prefill_seconds,
         "decode_seconds": outcome.decode_seconds,
         "total_seconds": end - t0,
-        # one decode step = argmax + forward: from one decode forward call to the next
-        "step_seconds": _diffs(calls[n_prefill_calls:]),
+        "step_seconds": steps,
         "tokens": outcome.tokens,
         "cache_type": type(cache).__name__,
     }
@@ -153,7 +125,7 @@ def run_lockstep(loaded: Any, prompt: list[int], new_tokens: int, chunk: int) ->
     import torch
     from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-    from kvchat.chat.generate import forward, prefill
+    from kvchat.chat.generate import prefill
     from kvchat.chat.session import ChatSession
     from kvchat.chat.settings import CacheSettings
 
@@ -183,23 +155,10 @@ def run_lockstep(loaded: Any, prompt: list[int], new_tokens: int, chunk: int) ->
                 times[BASELINE].append(entered - self.left_at)
             if self.calls < new_tokens - 1:  # generate decodes new_tokens - 1 steps too
                 with torch.inference_mode():
-                    for name in common.rotated(list(sessions), self.calls):
-                        session = sessions[name]
-                        attach = getattr(session.cache, "attach", None)
-                        if attach is not None:
-                            attach()
-                        t0 = time.perf_counter()
-                        logits = forward(
-                            loaded.model,
-                            session.cache,
-                            [nxt[name]],
-                            loaded.device,
-                            session.before_forward,
-                        )
-                        nxt[name] = int(torch.argmax(logits).item())
-                        times[name].append(time.perf_counter() - t0)
+                    for name in harness.rotated(list(sessions), self.calls):
+                        nxt[name], seconds = common.attached_step(loaded, sessions[name], nxt[name])
+                        times[name].append(seconds)
                         tokens[name].append(nxt[name])
-                        session.close()
             self.calls += 1
             self.left_at = time.perf_counter()
             return scores
@@ -221,10 +180,10 @@ def run_lockstep(loaded: Any, prompt: list[int], new_tokens: int, chunk: int) ->
     hf_tokens = out[0, len(prompt) :].tolist()
     result: dict[str, Any] = {"steps": len(times[BASELINE]), "configs": {}}
     for name in times:
-        ratio = common.paired_step_ratio(times[BASELINE], times[name])
+        ratio = harness.median_ratio(times[BASELINE], times[name])
         result["configs"][name] = {
-            "step_median_ms": 1000 * common.median(times[name]),
-            "decode_tokens_per_s": 1 / common.median(times[name]),
+            "step_median_ms": 1000 * harness.median(times[name]),
+            "decode_tokens_per_s": 1 / harness.median(times[name]),
             "paired_ratio_vs_generate": ratio,
             "tokens_match_generate": name == BASELINE or tokens[name] == hf_tokens,
         }
@@ -251,11 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=None, help="prompt tokens (1024)")
     parser.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (64)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (5)")
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="256 context, 16 tokens, 3 repeats")
-    parser.add_argument("--out", default="results/bench_engine.json")
+    common.add_run_options(parser, "bench_engine", "256 context, 16 tokens, 3 repeats")
     args = parser.parse_args(argv)
 
     context = args.context or (256 if args.quick else 1024)
@@ -264,30 +219,29 @@ def main(argv: list[str] | None = None) -> int:
     if new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (one prefill token + decode)")
 
-    wall0 = time.perf_counter()
+    wall = harness.stopwatch()
     common.set_threads(args.threads)
-    env = common.environment(args.threads)
-    common.say(f"loading {args.model} ({args.dtype}) ...")
+    env = harness.environment(args.threads)
+    harness.say(f"loading {args.model} ({args.dtype}) ...")
     loaded = common.load_model(args.model, args.dtype)
-    prompt = common.seeded_prompt(loaded, context, args.seed)
-    configs = configurations(context)
-    names = [name for name, _ in configs]
+    prompt = seeded_ids(loaded, context, args.seed)
+    configs = dict(configurations(context))
+    names = list(configs)
 
-    common.say("warming up ...")
-    warm = common.seeded_prompt(loaded, min(64, context), args.seed + 1)
-    for _, fn in configs:
+    harness.say("warming up ...")
+    warm = seeded_ids(loaded, min(64, context), args.seed + 1)
+    for fn in configs.values():
         fn(loaded, warm, 4)
 
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    for rep in range(repeats):
-        for name, fn in common.rotated(configs, rep):
-            common.collect()
-            result = fn(loaded, prompt, new_tokens)
-            runs[name].append(result)
-            common.say(
-                f"  repeat {rep + 1}/{repeats} {name:28s} prefill {result['prefill_seconds']:6.2f}s"
-                f"  decode {(new_tokens - 1) / result['decode_seconds']:6.2f} tok/s"
-            )
+    def measure(name: str, rep: int) -> dict[str, Any]:
+        result = configs[name](loaded, prompt, new_tokens)
+        harness.say(
+            f"  repeat {rep + 1}/{repeats} {name:28s} prefill {result['prefill_seconds']:6.2f}s"
+            f"  decode {(new_tokens - 1) / result['decode_seconds']:6.2f} tok/s"
+        )
+        return result
+
+    runs = harness.interleaved(names, repeats, measure)
 
     steps = new_tokens - 1
     summary: dict[str, dict[str, Any]] = {}
@@ -297,22 +251,24 @@ def main(argv: list[str] | None = None) -> int:
         prefill_tps = [context / r["prefill_seconds"] for r in rs]
         decode_tps = [steps / r["decode_seconds"] for r in rs]
         # paired with the baseline run of the same repeat (measured next to it)
-        prefill_ratio = [b["prefill_seconds"] / r["prefill_seconds"] for r, b in zip(rs, base_runs)]
-        decode_ratio = [b["decode_seconds"] / r["decode_seconds"] for r, b in zip(rs, base_runs)]
+        prefill_ratio = harness.paired_ratios(base_runs, rs, "prefill_seconds")
+        decode_ratio = harness.paired_ratios(base_runs, rs, "decode_seconds")
         # the same ratio from each run's median step time: robust to bursts of CPU contention
-        step_median = [common.median(r["step_seconds"]) for r in rs]
-        step_ratio = [common.median(b["step_seconds"]) / m for m, b in zip(step_median, base_runs)]
+        step_median = [harness.median(r["step_seconds"]) for r in rs]
+        step_ratio = harness.paired_ratios(
+            [harness.median(b["step_seconds"]) for b in base_runs], step_median
+        )
         summary[name] = {
-            "prefill_tokens_per_s": common.median(prefill_tps),
-            "ttft_seconds": common.median([r["prefill_seconds"] for r in rs]),
-            "decode_tokens_per_s": common.median(decode_tps),
-            "ms_per_decoded_token": 1000 / common.median(decode_tps),
-            "prefill_ratio": common.median(prefill_ratio),
-            "decode_ratio": common.median(decode_ratio),
-            "step_median_tokens_per_s": 1 / common.median(step_median),
-            "step_median_ratio": common.median(step_ratio),
-            "decode_spread": common.spread(decode_tps),
-            "prefill_spread": common.spread(prefill_tps),
+            "prefill_tokens_per_s": harness.median(prefill_tps),
+            "ttft_seconds": harness.median([r["prefill_seconds"] for r in rs]),
+            "decode_tokens_per_s": harness.median(decode_tps),
+            "ms_per_decoded_token": 1000 / harness.median(decode_tps),
+            "prefill_ratio": harness.median(prefill_ratio),
+            "decode_ratio": harness.median(decode_ratio),
+            "step_median_tokens_per_s": 1 / harness.median(step_median),
+            "step_median_ratio": harness.median(step_ratio),
+            "decode_spread": harness.spread(decode_tps),
+            "prefill_spread": harness.spread(prefill_tps),
             "tokens_match_baseline": all(r["tokens"] == b["tokens"] for r, b in zip(rs, base_runs)),
             "per_repeat": [
                 {k: v for k, v in r.items() if k not in ("tokens", "step_seconds")}
@@ -327,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
             ],
         }
-    common.say("lockstep decode (one step each in turn) ...")
+    harness.say("lockstep decode (one step each in turn) ...")
     lockstep = run_lockstep(loaded, prompt, new_tokens, 256)
-    wall = time.perf_counter() - wall0
+    wall_seconds = wall()
 
     headers = [
         "engine",
@@ -349,13 +305,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             [
                 name,
-                common.fmt(s["prefill_tokens_per_s"], 0),
-                common.fmt(s["ttft_seconds"], 2),
-                common.fmt(s["prefill_ratio"], 3),
-                common.fmt(s["decode_tokens_per_s"], 2),
-                common.fmt(s["ms_per_decoded_token"], 1),
-                common.fmt(s["decode_ratio"], 3),
-                common.fmt(s["step_median_ratio"], 3),
+                harness.fmt(s["prefill_tokens_per_s"], 0),
+                harness.fmt(s["ttft_seconds"], 2),
+                harness.fmt(s["prefill_ratio"], 3),
+                harness.fmt(s["decode_tokens_per_s"], 2),
+                harness.fmt(s["ms_per_decoded_token"], 1),
+                harness.fmt(s["decode_ratio"], 3),
+                harness.fmt(s["step_median_ratio"], 3),
                 f"{100 * s['decode_spread']:.0f}%",
                 "yes" if s["tokens_match_baseline"] else "NO",
             ]
@@ -365,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         f"context {context}, {new_tokens} new tokens (greedy, no early stop), "
         f"median of {repeats} interleaved repeats\n"
     )
-    print(common.markdown_table(headers, rows))
+    print(harness.markdown_table(headers, rows))
     print(
         "\nratio = baseline time / engine time, paired per repeat (> 1: faster than "
         f"`{BASELINE}`); step-median ratio: the same from each run's median decode step "
@@ -379,15 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     lock_rows = [
         [
             name,
-            common.fmt(c["decode_tokens_per_s"], 2),
-            common.fmt(c["step_median_ms"], 1),
-            common.fmt(c["paired_ratio_vs_generate"], 3),
+            harness.fmt(c["decode_tokens_per_s"], 2),
+            harness.fmt(c["step_median_ms"], 1),
+            harness.fmt(c["paired_ratio_vs_generate"], 3),
             "yes" if c["tokens_match_generate"] else "NO",
         ]
         for name, c in lockstep["configs"].items()
     ]
     print(
-        common.markdown_table(
+        harness.markdown_table(
             ["decode step", "tok/s (median step)", "ms/step", "ratio vs generate", "same tokens"],
             lock_rows,
         )
@@ -414,10 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         f"decode ratio check (lockstep kvchat step vs {BASELINE} step, target >= "
         f"{DECODE_TARGET}): {'PASS' if lock_ok else 'FAIL'} ({lock_ratio:.3f})"
     )
-    print(f"wall time {wall:.0f} s")
+    print(f"wall time {wall_seconds:.0f} s")
 
-    data = {
-        "benchmark": "bench_engine",
+    fields = {
         "model": loaded.name,
         "dtype": loaded.dtype,
         "context": context,
@@ -426,14 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": repeats,
         "prompt": f"{context} seeded random token ids (seed {args.seed}, no special tokens)",
         "baseline": BASELINE,
-        "environment": env,
         "results": summary,
         "lockstep": lockstep,
         "checks": checks,
-        "wall_seconds": wall,
     }
-    out = common.write_json(args.out, data)
-    common.say(f"wrote {out}")
+    harness.save_run(args.out, "bench_engine", fields, env, wall_seconds)
     return 0
 
 

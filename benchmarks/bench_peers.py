@@ -44,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
 
+from kvchat.lab import harness  # noqa: E402
+
 KVCHAT_ROWS = {
     "kvchat (default)": {"dtype": "float32", "weights": "auto"},
     "kvchat --weights none": {"dtype": "float32", "weights": "none"},
@@ -106,19 +108,13 @@ def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
 
 def measure_hf(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+    from transformers import DynamicCache, LogitsProcessorList
 
     from kvchat.models.load import load
 
     loaded = load(args.model_dir, device="cpu", dtype="float32", weights="none",
                   threads=args.threads)  # fmt: skip
     stamps: list[float] = []
-
-    class Stamp(LogitsProcessor):
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            stamps.append(time.perf_counter())
-            return scores
-
     ids = given_ids(args)
     model = loaded.model
     t0 = time.perf_counter()
@@ -130,7 +126,7 @@ def measure_hf(args: argparse.Namespace) -> dict[str, Any]:
             do_sample=False,
             min_new_tokens=args.new_tokens,
             max_new_tokens=args.new_tokens,
-            logits_processor=LogitsProcessorList([Stamp()]),
+            logits_processor=LogitsProcessorList([common.stamping_processor(stamps)]),
             pad_token_id=loaded.tokenizer.eos_token_id,
         )
     return _figures(len(ids), t0, stamps) | {"weights": "none (float32)"}
@@ -253,6 +249,7 @@ def main() -> None:
 
     from kvchat.models.resolve import resolve_model
 
+    wall = harness.stopwatch()
     args.model_dir = str(resolve_model(args.model).path)
     from transformers import AutoTokenizer
 
@@ -261,8 +258,8 @@ def main() -> None:
     ids_file.parent.mkdir(parents=True, exist_ok=True)
     ids_file.write_text(json.dumps(ids), encoding="utf-8")
     args.ids_file = str(ids_file)
-    env = common.environment(args.threads)
-    common.say(f"load average at start: {env['loadavg_at_start']}; threads {args.threads}")
+    env = harness.environment(args.threads)
+    harness.say(f"load average at start: {env['loadavg_at_start']}; threads {args.threads}")
     names = [*KVCHAT_ROWS, HF]
     why_not = llama_available()
     if why_not is None:
@@ -272,20 +269,21 @@ def main() -> None:
     if why_not is None:
         names.append(LLAMA)
     else:
-        common.say(f"llama.cpp rows skipped: {why_not}")
+        harness.say(f"llama.cpp rows skipped: {why_not}")
 
-    runs: dict[str, list[dict]] = {n: [] for n in names}
-    for repeat in range(args.repeats):
-        for name in common.rotated(names, repeat):
-            result = run_one(name, args)
-            runs[name].append(result)
-            common.say(
-                f"[{repeat + 1}/{args.repeats}] {name}: prefill {result['prefill_tps']:.0f} "
-                f"tok/s, decode {result['decode_tps']:.1f} tok/s, "
-                f"RSS {common.human_bytes(result['rss_bytes'])}"
-            )
+    def measure(name: str, repeat: int) -> dict[str, Any]:
+        result = run_one(name, args)
+        harness.say(
+            f"[{repeat + 1}/{args.repeats}] {name}: prefill {result['prefill_tps']:.0f} "
+            f"tok/s, decode {result['decode_tps']:.1f} tok/s, "
+            f"RSS {harness.human_bytes(result['rss_bytes'])}"
+        )
+        return result
+
+    # every run is a process of its own: nothing of this one's to collect in between
+    runs = harness.interleaved(names, args.repeats, measure, settle=None)
     keys = ("prefill_tps", "decode_tps", "rss_bytes")
-    med = {n: {k: common.median([r[k] for r in rs]) for k in keys} for n, rs in runs.items()}
+    med = {n: {k: harness.median([r[k] for r in rs]) for k in keys} for n, rs in runs.items()}
 
     contention = None
     if not args.no_contention:
@@ -296,7 +294,7 @@ def main() -> None:
         contention = {
             "quiet_decode_tps": quiet,
             "busy_decode_tps": busy,
-            "ratio": common.median([b / q for b, q in zip(busy, quiet)]),
+            "ratio": harness.median_ratio(busy, quiet),
         }
 
     headers = ["engine", "prefill tok/s", "decode tok/s", "RSS", "decode vs generate",
@@ -309,21 +307,21 @@ def main() -> None:
         m = med[name]
         row = [
             name, f"{m['prefill_tps']:.0f}", f"{m['decode_tps']:.1f}",
-            common.human_bytes(m["rss_bytes"]),
+            harness.human_bytes(m["rss_bytes"]),
         ]  # fmt: skip
         for base in [HF] + ([LLAMA] if peer else []):
             b = med[base]
             row += [
-                common.fmt(ratio(m["decode_tps"], b["decode_tps"])),
-                common.fmt(ratio(m["prefill_tps"], b["prefill_tps"])),
-                common.fmt(ratio(m["rss_bytes"], b["rss_bytes"])),
+                harness.fmt(ratio(m["decode_tps"], b["decode_tps"])),
+                harness.fmt(ratio(m["prefill_tps"], b["prefill_tps"])),
+                harness.fmt(ratio(m["rss_bytes"], b["rss_bytes"])),
             ]
         rows.append(row)
     print(
         f"SmolLM2-135M-Instruct, {args.context}-token prompt, {args.new_tokens} greedy tokens, "
         f"{args.threads} threads, medians of {args.repeats} interleaved runs, one process each"
     )
-    print(common.markdown_table(headers, rows))
+    print(harness.markdown_table(headers, rows))
     if not peer:
         print(f"llama.cpp rows skipped: {why_not}")
     if contention is not None:
@@ -336,9 +334,8 @@ def main() -> None:
         print(f"load average: start {env['loadavg_at_start']}, end {os.getloadavg()}")
     except OSError:
         pass
-    common.write_json(
-        args.json, {"environment": env, "runs": runs, "medians": med, "contention": contention}
-    )
+    fields = {"runs": runs, "medians": med, "contention": contention}
+    harness.save_run(args.json, "bench_peers", fields, env, wall())
 
 
 if __name__ == "__main__":

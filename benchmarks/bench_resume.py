@@ -43,7 +43,6 @@ Run from the repository root: ``python benchmarks/bench_resume.py [--quick]``.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import tempfile
 import time
@@ -52,47 +51,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
+import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
+from common import user_text  # noqa: E402
+
+from kvchat.lab import harness  # noqa: E402
 
 BASELINE = "re-prefill (DynamicCache)"
 FOLLOW_UP = "Which bay holds the most lanterns? Answer in one short sentence."
-QUESTION = "Which crate holds the most rope coils? Answer in one sentence."
-GOODS = ("copper pipes", "lanterns", "maps", "barrels of oil", "rope coils", "glass lenses")
 
 
 # -- the saved conversation -------------------------------------------------------------------
-def notes(n: int, seed: int) -> str:
-    """``n`` seeded one-line inventory notes: plain text with many small facts."""
-    rng = random.Random(seed)
-    lines = [
-        f"Note {i}: crate {rng.randint(1, 999)} in bay {rng.randint(1, 40)} holds "
-        f"{rng.randint(2, 500)} {rng.choice(GOODS)}, checked by {rng.choice(NAMES)}."
-        for i in range(1, n + 1)
-    ]
-    return "Here are the warehouse notes.\n" + "\n".join(lines) + "\n" + QUESTION
-
-
-NAMES = ("Ines", "Quill", "Marta", "Tobias", "Lena", "Oskar", "Priya", "Hugo")
-
-
-def user_text(loaded: Any, target_tokens: int, seed: int) -> tuple[str, int]:
-    """The longest ``notes`` text whose templated prompt has at most ``target_tokens``."""
-    tok = loaded.tokenizer
-
-    def prompt_tokens(n: int) -> int:
-        messages = [{"role": "user", "content": notes(n, seed)}]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return len(tok(text, add_special_tokens=False)["input_ids"])
-
-    lo, hi = 1, 16
-    while prompt_tokens(hi) <= target_tokens:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # prompt_tokens(lo) <= target < prompt_tokens(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if prompt_tokens(mid) <= target_tokens else (lo, mid)
-    return notes(lo, seed), prompt_tokens(lo)
-
-
 def build(loaded: Any, root: Path, settings: Any, text: str, reply_tokens: int) -> dict[str, Any]:
     """Save a one-turn conversation under ``root``; what the timed runs need to know."""
     from kvchat.chat.conversation import open_session
@@ -115,7 +83,7 @@ def build(loaded: Any, root: Path, settings: Any, text: str, reply_tokens: int) 
             "prompt_tokens": result.prompt_tokens,
             "segment_bytes": sum(t.segment.nbytes for t in conversation.manifest.turns),
             "forms": sorted(set(session.forms or [])),
-            "memory_after_build": result.memory,
+            "memory_after_build": result.memory.to_dict(),
             "build_seconds": time.perf_counter() - t0,
         }
     finally:
@@ -147,9 +115,9 @@ def run_resume(loaded: Any, root: Path, settings: Any, conv: dict[str, Any]) -> 
         session.close()
     return {
         "seconds": seconds,
-        "state_bytes": memory["state_bytes"],
-        "hot_tokens": memory["hot_tokens"],
-        "disk_tier": memory["disk_tier"],
+        "state_bytes": memory.state_bytes,
+        "hot_tokens": memory.hot_tokens,
+        "disk_tier": memory.disk_tier,
     }
 
 
@@ -178,7 +146,7 @@ def run_resume_first(
         "resume_seconds": resumed - t0,
         "token": result.tokens[0],
         "fed_ids": fed,
-        "recompute_share": result.memory["recompute_share"],
+        "recompute_share": result.memory.recompute_share,
     }
 
 
@@ -228,11 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (3)")
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--no-first-token", action="store_true", help="skip (c)")
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="1024 tokens, 16MB, 2 repeats")
-    parser.add_argument("--out", default="results/bench_resume.json")
+    common.add_run_options(parser, "bench_resume", "1024 tokens, 16MB, 2 repeats")
     args = parser.parse_args(argv)
 
     context = args.context or (1024 if args.quick else 4096)
@@ -242,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     chunk = args.prefill_chunk
     first_token = not args.no_first_token
 
-    wall0 = time.perf_counter()
+    wall = harness.stopwatch()
     common.set_threads(args.threads)
-    env = common.environment(args.threads)
-    common.say(f"loading {args.model} ({args.dtype}) ...")
+    env = harness.environment(args.threads)
+    harness.say(f"loading {args.model} ({args.dtype}) ...")
     loaded = common.load_model(args.model, args.dtype)
 
     from kvchat.chat.settings import CacheSettings
@@ -260,12 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         roots = {name: Path(tmp) / f"data-{i}" for i, name in enumerate(configs)}
         convs: dict[str, dict[str, Any]] = {}
         for name, settings in configs.items():
-            common.say(f"building the {name} conversation ({prompt_tokens} prompt tokens) ...")
-            common.collect()
+            harness.say(f"building the {name} conversation ({prompt_tokens} prompt tokens) ...")
+            harness.collect()
             convs[name] = build(loaded, roots[name], settings, text, args.reply_tokens)
-            common.say(
+            harness.say(
                 f"  {convs[name]['n_cached']} tokens cached, "
-                f"{common.human_bytes(convs[name]['segment_bytes'])} saved, "
+                f"{harness.human_bytes(convs[name]['segment_bytes'])} saved, "
                 f"{convs[name]['build_seconds']:.1f} s"
             )
         names = list(configs)
@@ -274,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             if convs[name]["history_ids"] != history:
                 raise SystemExit(f"the {name} conversation holds other tokens than {names[0]}")
 
-        common.say("warming up (one resume of each, a short re-prefill) ...")
+        harness.say("warming up (one resume of each, a short re-prefill) ...")
         follow_up: list[int] = []
         for name in names:
             run_resume(loaded, roots[name], configs[name], convs[name])
@@ -289,28 +253,29 @@ def main(argv: list[str] | None = None) -> int:
             items.append(("resume", name))
             if first_token:
                 items.append(("resume + first token", name))
-        runs: dict[tuple[str, str], list[dict[str, Any]]] = {item: [] for item in items}
-        for rep in range(repeats):
-            for kind, name in common.rotated(items, rep):
-                common.collect()
-                if kind == BASELINE:
-                    r = run_baseline(loaded, history, follow_up or history[:4], chunk)
-                elif kind == "resume":
-                    r = run_resume(loaded, roots[name], configs[name], convs[name])
-                else:
-                    r = run_resume_first(loaded, roots[name], configs[name], convs[name])
-                    r.pop("fed_ids")
-                runs[(kind, name)].append(r)
-                label = f"{kind} {name}".strip()
-                common.say(f"  repeat {rep + 1}/{repeats} {label:34s} {r['seconds']:7.3f} s")
+
+        def measure(item: tuple[str, str], rep: int) -> dict[str, Any]:
+            kind, name = item
+            if kind == BASELINE:
+                r = run_baseline(loaded, history, follow_up or history[:4], chunk)
+            elif kind == "resume":
+                r = run_resume(loaded, roots[name], configs[name], convs[name])
+            else:
+                r = run_resume_first(loaded, roots[name], configs[name], convs[name])
+                r.pop("fed_ids")
+            label = f"{kind} {name}".strip()
+            harness.say(f"  repeat {rep + 1}/{repeats} {label:34s} {r['seconds']:7.3f} s")
+            return r
+
+        runs = harness.interleaved(items, repeats, measure)
 
     base = runs[(BASELINE, "")]
     results: dict[str, Any] = {
         BASELINE: {
-            "seconds": common.median([b["seconds"] for b in base]),
-            "first_token_seconds": common.median([b["first_token_seconds"] for b in base]),
-            "spread": common.spread([b["seconds"] for b in base]),
-            "first_token_spread": common.spread([b["first_token_seconds"] for b in base]),
+            "seconds": harness.median([b["seconds"] for b in base]),
+            "first_token_seconds": harness.median([b["first_token_seconds"] for b in base]),
+            "spread": harness.spread([b["seconds"] for b in base]),
+            "first_token_spread": harness.spread([b["first_token_seconds"] for b in base]),
             "state_bytes": base[-1]["state_bytes"],
             "per_repeat": base,
         }
@@ -322,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             "forms": convs[name]["forms"],
             "segment_bytes": convs[name]["segment_bytes"],
             "build_seconds": convs[name]["build_seconds"],
-            "resume_seconds": common.median([r["seconds"] for r in rs]),
-            "resume_spread": common.spread([r["seconds"] for r in rs]),
-            "resume_ratio": common.median([b["seconds"] / r["seconds"] for b, r in zip(base, rs)]),
+            "resume_seconds": harness.median([r["seconds"] for r in rs]),
+            "resume_spread": harness.spread([r["seconds"] for r in rs]),
+            "resume_ratio": harness.median_ratio(base, rs, "seconds"),
             "state_bytes_after_resume": rs[-1]["state_bytes"],
             "hot_tokens_after_resume": rs[-1]["hot_tokens"],
             "disk_tier": rs[-1]["disk_tier"],
@@ -333,16 +298,16 @@ def main(argv: list[str] | None = None) -> int:
         if first_token:
             fs = runs[("resume + first token", name)]
             entry |= {
-                "first_token_seconds": common.median([f["seconds"] for f in fs]),
-                "first_token_spread": common.spread([f["seconds"] for f in fs]),
-                "first_token_ratio": common.median(
-                    [b["first_token_seconds"] / f["seconds"] for b, f in zip(base, fs)]
+                "first_token_seconds": harness.median([f["seconds"] for f in fs]),
+                "first_token_spread": harness.spread([f["seconds"] for f in fs]),
+                "first_token_ratio": harness.median_ratio(
+                    [b["first_token_seconds"] for b in base], [f["seconds"] for f in fs]
                 ),
                 "same_first_token": all(f["token"] == b["token"] for b, f in zip(base, fs)),
                 "per_repeat_first_token": fs,
             }
         results[name] = entry
-    wall = time.perf_counter() - wall0
+    wall_seconds = wall()
 
     n_cached = len(history)
     print(
@@ -357,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             BASELINE,
             "-",
             "-",
-            common.human_bytes(results[BASELINE]["state_bytes"]),
-            common.fmt(results[BASELINE]["seconds"], 3),
+            harness.human_bytes(results[BASELINE]["state_bytes"]),
+            harness.fmt(results[BASELINE]["seconds"], 3),
             "1.00",
             f"{100 * results[BASELINE]['spread']:.0f}%",
         ]
@@ -369,14 +334,14 @@ def main(argv: list[str] | None = None) -> int:
             [
                 f"resume {name}" + (" (disk tier)" if e["disk_tier"] else ""),
                 "/".join(e["forms"]),
-                common.human_bytes(e["segment_bytes"]),
-                common.human_bytes(e["state_bytes_after_resume"]),
-                common.fmt(e["resume_seconds"], 3),
-                common.fmt(e["resume_ratio"], 1) + "x",
+                harness.human_bytes(e["segment_bytes"]),
+                harness.human_bytes(e["state_bytes_after_resume"]),
+                harness.fmt(e["resume_seconds"], 3),
+                harness.fmt(e["resume_ratio"], 1) + "x",
                 f"{100 * e['resume_spread']:.0f}%",
             ]
         )
-    print(common.markdown_table(headers, rows))
+    print(harness.markdown_table(headers, rows))
     print(
         "\nratio = re-prefill time / resume time, paired per repeat (> 1: resuming is faster); "
         "resume = open_session(conversation_id=...) until ready for the next turn, segment "
@@ -390,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [
             [
                 f"{BASELINE} + follow-up",
-                common.fmt(results[BASELINE]["first_token_seconds"], 3),
+                harness.fmt(results[BASELINE]["first_token_seconds"], 3),
                 "1.00",
                 f"{100 * results[BASELINE]['first_token_spread']:.0f}%",
                 "-",
@@ -401,17 +366,16 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(
                 [
                     f"resume {name} + follow-up",
-                    common.fmt(e["first_token_seconds"], 3),
-                    common.fmt(e["first_token_ratio"], 1) + "x",
+                    harness.fmt(e["first_token_seconds"], 3),
+                    harness.fmt(e["first_token_ratio"], 1) + "x",
                     f"{100 * e['first_token_spread']:.0f}%",
                     "yes" if e["same_first_token"] else "NO",
                 ]
             )
-        print(common.markdown_table(["how", "time s", "ratio", "spread", "same token"], rows))
-    print(f"\nload average at start {env['loadavg_at_start']}; wall time {wall:.0f} s")
+        print(harness.markdown_table(["how", "time s", "ratio", "spread", "same token"], rows))
+    print(f"\nload average at start {env['loadavg_at_start']}; wall time {wall_seconds:.0f} s")
 
-    data = {
-        "benchmark": "bench_resume",
+    fields = {
         "model": loaded.name,
         "dtype": loaded.dtype,
         "context": context,
@@ -423,12 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": repeats,
         "prompt": f"seeded inventory notes (seed {args.seed}) + a question, chat template",
         "baseline": BASELINE,
-        "environment": env,
         "results": results,
-        "wall_seconds": wall,
     }
-    out = common.write_json(args.out, data)
-    common.say(f"wrote {out}")
+    harness.save_run(args.out, "bench_resume", fields, env, wall_seconds)
     return 0
 
 

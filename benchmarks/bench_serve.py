@@ -28,42 +28,32 @@ Run from the repository root: ``python benchmarks/bench_serve.py [--quick]``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402  (sets OMP_WAIT_POLICY, puts this checkout first on sys.path)
+
+from kvchat.lab import harness  # noqa: E402
 from tests.serve.server_process import ServerProcess  # noqa: E402
 
-MODEL = "smollm2-135m"
-GOODS = ("copper pipes", "lanterns", "maps", "barrels of oil", "rope coils", "glass lenses")
-NAMES = ("Ines", "Quill", "Marta", "Tobias", "Lena", "Oskar", "Priya", "Hugo")
+# The servers are child processes: they import this checkout's kvchat too.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(common.REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
+
+MODEL = common.DEFAULT_MODEL
 
 
 def notes(turn: int, lines: int, seed: int) -> str:
-    rng = random.Random(seed * 1000 + turn)
-    rows = [
-        f"Note {turn}.{i}: crate {rng.randint(1, 999)} in bay {rng.randint(1, 40)} holds "
-        f"{rng.randint(2, 500)} {rng.choice(GOODS)}, checked by {rng.choice(NAMES)}."
-        for i in range(1, lines + 1)
-    ]
+    rows = common.note_lines(random.Random(seed * 1000 + turn), lines, numbering=f"{turn}.")
     return "More warehouse notes.\n" + "\n".join(rows) + "\nSay 'noted'."
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def build(data_dir: Path, turns: int, lines: int, reply_tokens: int, seed: int) -> list[dict]:
@@ -77,7 +67,7 @@ def build(data_dir: Path, turns: int, lines: int, reply_tokens: int, seed: int) 
                 model=MODEL, messages=messages, max_tokens=reply_tokens
             )
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
-            say(f"  turn {turn}: {reply.usage.total_tokens} tokens")
+            harness.say(f"  turn {turn}: {reply.usage.total_tokens} tokens")
     finally:
         server.stop()
     return messages
@@ -115,32 +105,35 @@ def main() -> None:
     parser.add_argument("--out", default="results/bench_serve.json")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
+    wall = harness.stopwatch()
+    env = harness.environment(threads=None)  # the servers choose their own
 
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         root = Path(tmp)
-        say(f"building a {args.turns - 1}-turn conversation")
+        harness.say(f"building a {args.turns - 1}-turn conversation")
         history = build(root / "saved", args.turns - 1, args.lines, args.reply_tokens, args.seed)
         request = history + [{"role": "user", "content": notes(args.turns, args.lines, args.seed)}]
-        rows = []
-        for r in range(repeats):
-            runs = {}
-            order = ["kvchat", "re-prefill"] if r % 2 == 0 else ["re-prefill", "kvchat"]
-            for kind in order:
-                data = root / f"{kind}-{r}"
-                if kind == "kvchat":
-                    shutil.copytree(root / "saved", data)
-                runs[kind] = first_token(data, request)
-                say(f"  repeat {r + 1} {kind}: {runs[kind]['seconds'] * 1000:.0f} ms")
-            runs["ratio"] = runs["re-prefill"]["seconds"] / runs["kvchat"]["seconds"]
-            rows.append(runs)
+
+        def measure(kind: str, r: int) -> dict:
+            data = root / f"{kind}-{r}"
+            if kind == "kvchat":
+                shutil.copytree(root / "saved", data)
+            run = first_token(data, request)
+            harness.say(f"  repeat {r + 1} {kind}: {run['seconds'] * 1000:.0f} ms")
+            return run
+
+        # the order alternates: kvchat first in even repeats, re-prefill first in odd ones
+        runs = harness.interleaved(["kvchat", "re-prefill"], repeats, measure, settle=None)
+        ratios = harness.paired_ratios(runs["re-prefill"], runs["kvchat"], "seconds")
+        rows = [
+            {"kvchat": k, "re-prefill": p, "ratio": q}
+            for k, p, q in zip(runs["kvchat"], runs["re-prefill"], ratios)
+        ]
         context = _context_tokens(root / "saved")
 
-    median = {
-        kind: statistics.median(row[kind]["seconds"] for row in rows)
-        for kind in ("kvchat", "re-prefill")
-    }
-    ratio = statistics.median(row["ratio"] for row in rows)
-    texts = {kind: [row[kind]["first_text"] for row in rows] for kind in ("kvchat", "re-prefill")}
+    median = {kind: harness.median([run["seconds"] for run in runs[kind]]) for kind in runs}
+    ratio = harness.median([row["ratio"] for row in rows])
+    texts = {kind: [run["first_text"] for run in runs[kind]] for kind in runs}
     print(f"| turn {args.turns}, ~{context} tokens of history | time to first token |")
     print("|---|---|")
     print(f"| kvchat serve, resumed from its files | {median['kvchat'] * 1000:.0f} ms |")
@@ -148,10 +141,9 @@ def main() -> None:
     print(f"| ratio (re-prefill / kvchat), median of {repeats} | {ratio:.1f}x |")
     # They may differ: see the module docstring.
     print(f"first reply text: kvchat {texts['kvchat']!r}, re-prefill {texts['re-prefill']!r}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     summary = {"context_tokens": context, "median_seconds": median, "ratio": ratio}
-    out.write_text(json.dumps({"args": vars(args), "summary": summary, "repeats": rows}, indent=2))
+    fields = {"args": vars(args), "summary": summary, "repeats": rows}
+    harness.save_run(args.out, "bench_serve", fields, env, wall())
 
 
 def _context_tokens(data_dir: Path) -> int:

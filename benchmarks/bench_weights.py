@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
+
+from kvchat.lab import harness  # noqa: E402
 
 MODES = (
     ("float32 (--weights none)", "float32", "none"),
@@ -40,7 +41,7 @@ def text_ids(tokenizer: Any, n_tokens: int) -> list[int]:
     parts = [texts.STORY, texts.NOTES, (common.REPO_ROOT / "README.md").read_text("utf-8")]
     ids = tokenizer("\n\n".join(parts), add_special_tokens=False)["input_ids"]
     if len(ids) < n_tokens:
-        common.say(f"only {len(ids)} tokens of text; using them all")
+        harness.say(f"only {len(ids)} tokens of text; using them all")
     return ids[:n_tokens]
 
 
@@ -84,18 +85,19 @@ def main() -> None:
     from kvchat.models.resolve import resolve_model
 
     path = str(resolve_model(args.model).path)
-    env = common.environment(args.threads or 0)
-    common.say(f"load average at start: {env['loadavg_at_start']}")
+    wall = harness.stopwatch()
+    env = harness.environment(args.threads or 0)
+    harness.say(f"load average at start: {env['loadavg_at_start']}")
     rows, results, reference, ids = [], {}, None, None
     for label, dtype, weights in MODES:
-        t0 = time.perf_counter()
+        elapsed = harness.stopwatch()
         loaded = load(path, device="cpu", dtype=dtype, weights=weights, threads=args.threads)
-        common.say(f"{label}: loaded in {time.perf_counter() - t0:.1f} s")
+        harness.say(f"{label}: loaded in {elapsed():.1f} s")
         if ids is None:
             ids = text_ids(loaded.tokenizer, args.tokens)
-        t0 = time.perf_counter()
+        elapsed = harness.stopwatch()
         logits = window_logits(loaded.model, ids, args.window)
-        seconds = time.perf_counter() - t0
+        seconds = elapsed()
         if reference is None:
             reference = logits
         result = compare(reference, logits, ids, args.window)
@@ -106,15 +108,15 @@ def main() -> None:
                 label,
                 f"{result['top1_agreement'] * 100:.2f} %",
                 f"{result['mean_nll']:.4f}",
-                common.human_bytes(loaded.weights_bytes),
+                harness.human_bytes(loaded.weights_bytes),
                 f"{seconds:.1f} s",
             ]
         )
         del loaded, logits
-        common.collect()
+        harness.collect()
     print(f"{results[MODES[0][0]]['positions']} positions of real text, windows of {args.window}")
     print(
-        common.markdown_table(
+        harness.markdown_table(
             ["weights", "top-1 = float32", "mean NLL (nats)", "weights", "teacher-forced"], rows
         )
     )
@@ -124,7 +126,7 @@ def main() -> None:
         print(f"load average at end: {os.getloadavg()}")
     except OSError:
         pass
-    common.write_json(args.json, {"environment": env, "results": results})
+    harness.save_run(args.json, "bench_weights", {"results": results}, env, wall())
 
 
 if __name__ == "__main__":

@@ -1,27 +1,17 @@
-"""Helpers shared by the benchmarks: model loading, prompts, timing, ratios, output.
+"""What only the benchmarks share: setup, the engine's decode step, their prompts.
 
-Benchmarks here run on a shared, noisy CPU, so every script follows the same rules:
-
-* the baseline (transformers' ``DynamicCache``) is measured in the same process and the
-  same run as what it is compared with, never taken from an earlier run;
-* repetitions are interleaved: each repeat runs every configuration once, in an order that
-  rotates from repeat to repeat, so slow drift (another job starting) hits all alike;
-* a ratio is computed per repeat between measurements taken next to each other, and the
-  median over repeats is reported (the median of the raw figures is reported beside it).
+How they time, repeat, summarise and write JSON is ``kvchat.lab.harness``, the harness
+``kvchat bench`` uses too (its docstring has the rules every script follows).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import gc
-import json
+import argparse
 import os
-import platform
-import statistics
-import subprocess
+import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +32,19 @@ DEFAULT_MODEL = "smollm2-135m"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from kvchat.lab import harness  # noqa: E402  (after the path: this checkout's kvchat)
+
 
 # -- setup ---------------------------------------------------------------------------------
+def add_run_options(parser: argparse.ArgumentParser, benchmark: str, quick: str) -> None:
+    """The options every in-process engine benchmark takes, after its own (README: Common)."""
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--out", default=f"results/{benchmark}.json")
+
+
 def set_threads(threads: int) -> None:
     import torch
 
@@ -62,138 +63,106 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32") -> Any:
     return load(str(path), device="cpu", dtype=dtype)
 
 
-def seeded_prompt(loaded: Any, n_tokens: int, seed: int = 0) -> list[int]:
-    """Exactly ``n_tokens`` seeded random token ids, no special tokens (kvchat.lab.prompts)."""
-    from kvchat.lab.prompts import seeded_ids
+# -- the engine's decode, timed ------------------------------------------------------------
+def stamped_generate(
+    loaded: Any,
+    session: Any,
+    prompt: list[int],
+    new_tokens: int,
+    chunk: int,
+    at_decode: Callable[[], None] | None = None,
+) -> tuple[Any, list[float]]:
+    """kvchat's ``generate`` on ``session``'s cache, driven as the session drives it.
 
-    return seeded_ids(loaded, n_tokens, seed)
+    Exactly ``new_tokens`` greedy tokens (no stop ids), the prompt prefilled in chunks of
+    ``chunk``. Returns the outcome and the decode step times: from one decode forward call
+    to the next, i.e. one step = argmax + forward. ``at_decode`` runs once, right before the
+    first decode forward call (to read counters the prefill left).
+    """
+    from kvchat.chat.generate import generate
+    from kvchat.chat.settings import SamplingSettings
 
+    n_prefill_calls = -(-len(prompt) // chunk)
+    calls: list[float] = []
 
-def collect() -> None:
-    """Free what the previous configuration held before the next one is measured."""
-    gc.collect()
+    def before_forward(n_new: int) -> None:
+        if len(calls) == n_prefill_calls and at_decode is not None:
+            at_decode()
+        session.before_forward(n_new)
+        calls.append(time.perf_counter())
 
-
-# -- statistics ----------------------------------------------------------------------------
-def median(values: Sequence[float]) -> float:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else float("nan")
-
-
-def spread(values: Sequence[float]) -> float:
-    """(max - min) / median: how much the repeats disagreed, as a fraction."""
-    values = [v for v in values if v is not None]
-    if len(values) < 2:
-        return 0.0
-    mid = statistics.median(values)
-    return (max(values) - min(values)) / mid if mid else float("nan")
-
-
-def rotated(items: Sequence[Any], k: int) -> list[Any]:
-    """``items`` rotated left by ``k``: repeat ``k`` starts with another configuration."""
-    items = list(items)
-    if not items:
-        return items
-    k %= len(items)
-    return items[k:] + items[:k]
-
-
-# -- formatting ----------------------------------------------------------------------------
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    outcome = generate(
+        loaded.model,
+        session.cache,
+        prompt,
+        device=loaded.device,
+        settings=SamplingSettings(max_new_tokens=new_tokens),
+        stop_ids=set(),
+        prefill_chunk=chunk,
+        before_forward=before_forward,
+    )
+    assert len(outcome.tokens) == new_tokens, outcome.finish_reason
+    return outcome, harness.intervals(calls[n_prefill_calls:])
 
 
-def fmt(value: float | None, digits: int = 2) -> str:
-    if value is None or value != value:  # None or NaN
-        return "-"
-    return f"{value:.{digits}f}"
+def timed_step(loaded: Any, session: Any, token: int) -> tuple[int, float]:
+    """Feed ``token`` to ``session``'s cache as the decode loop does: (next greedy token, s).
 
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for n, row in enumerate(cells):
-        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
-        if n == 0:
-            lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
-
-
-# -- provenance and output -----------------------------------------------------------------
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def kvchat_location() -> str:
-    import kvchat
-
-    return str(Path(kvchat.__file__).resolve().parent)
-
-
-def environment(threads: int) -> dict[str, Any]:
+    The time is one decode step: the forward call (``kvchat.chat.generate.forward``, with
+    the session's ``before_forward``) and the argmax. Call under ``torch.inference_mode``.
+    """
     import torch
-    import transformers
 
+    from kvchat.chat.generate import forward
+
+    t0 = time.perf_counter()
+    logits = forward(loaded.model, session.cache, [token], loaded.device, session.before_forward)
+    nxt = int(torch.argmax(logits).item())
+    return nxt, time.perf_counter() - t0
+
+
+def attached_step(loaded: Any, session: Any, token: int) -> tuple[int, float]:
+    """``timed_step`` on a session whose cache hooks are detached between steps.
+
+    Several prefilled sessions share one model; only the one stepping may have its hooks on
+    it, so each step attaches them first and detaches them (``session.close``) after.
+    """
+    attach = getattr(session.cache, "attach", None)
+    if attach is not None:
+        attach()
     try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": threads,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "loadavg_at_start": load,
-        "git_commit": _git_commit(),
-        "kvchat": kvchat_location(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "argv": sys.argv,
-    }
+        return timed_step(loaded, session, token)
+    finally:
+        session.close()
 
 
-def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    return out
+def stamping_processor(stamps: list[float]) -> Any:
+    """A logits processor for ``model.generate`` that appends ``perf_counter()`` to ``stamps``.
+
+    generate calls it once per generated token, right after the forward call that produced
+    that token's logits: the first stamp ends the prefill, the rest time the decode steps.
+    """
+    from transformers import LogitsProcessor
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            stamps.append(time.perf_counter())
+            return scores
+
+    return Stamp()
 
 
-# -- step-interleaved decode ---------------------------------------------------------------
 def interleaved_decode(loaded: Any, entries: dict[str, Any], steps: int) -> dict[str, Any]:
     """Decode ``steps`` greedy tokens on several prefilled sessions, one step each in turn.
 
     ``entries`` maps a name to ``(session, next_token)``: a ``ChatSession`` whose cache is
     already prefilled (hooks detached) and the token to feed next. Each round feeds every
-    session one token, in an order rotating from round to round, through the same
-    ``kvchat.chat.generate.forward`` the decode loop uses, and times each call alone.
-    Neighbouring calls share the machine's state, so a burst of CPU contention hits every
+    session one token, in an order rotating from round to round, and times each step alone.
+    Neighbouring steps share the machine's state, so a burst of CPU contention hits every
     configuration of a round alike: the per-round ratios are far steadier than ratios of
     whole runs. Returns per name the step times and the tokens fed.
     """
     import torch
-
-    from kvchat.chat.generate import forward
 
     names = list(entries)
     state = {name: entries[name][1] for name in names}
@@ -201,28 +170,48 @@ def interleaved_decode(loaded: Any, entries: dict[str, Any], steps: int) -> dict
     fed: dict[str, list[int]] = {name: [] for name in names}
     with torch.inference_mode():
         for step in range(steps):
-            for name in rotated(names, step):
-                session = entries[name][0]
-                attach = getattr(session.cache, "attach", None)
-                if attach is not None:
-                    attach()
+            for name in harness.rotated(names, step):
                 token = state[name]
-                t0 = time.perf_counter()
-                logits = forward(
-                    loaded.model, session.cache, [token], loaded.device, session.before_forward
-                )
-                state[name] = int(torch.argmax(logits).item())
-                times[name].append(time.perf_counter() - t0)
+                state[name], seconds = attached_step(loaded, entries[name][0], token)
+                times[name].append(seconds)
                 fed[name].append(token)
-                session.close()
     return {"step_seconds": times, "tokens": fed}
 
 
-def paired_step_ratio(base: Sequence[float], other: Sequence[float]) -> float:
-    """Median over rounds of base step time / other step time (> 1: other is faster)."""
-    return median([b / o for b, o in zip(base, other)])
+# -- prompts -------------------------------------------------------------------------------
+GOODS = ("copper pipes", "lanterns", "maps", "barrels of oil", "rope coils", "glass lenses")
+NAMES = ("Ines", "Quill", "Marta", "Tobias", "Lena", "Oskar", "Priya", "Hugo")
+QUESTION = "Which crate holds the most rope coils? Answer in one sentence."
 
 
-def say(msg: str) -> None:
-    """Progress on stderr, so stdout holds only the tables."""
-    print(msg, file=sys.stderr, flush=True)
+def note_lines(rng: random.Random, n: int, numbering: str = "") -> list[str]:
+    """``n`` one-line inventory notes (plain text, many small facts) drawn from ``rng``."""
+    return [
+        f"Note {numbering}{i}: crate {rng.randint(1, 999)} in bay {rng.randint(1, 40)} holds "
+        f"{rng.randint(2, 500)} {rng.choice(GOODS)}, checked by {rng.choice(NAMES)}."
+        for i in range(1, n + 1)
+    ]
+
+
+def notes(n: int, seed: int) -> str:
+    """One long user message: ``n`` seeded notes ending in a question."""
+    lines = note_lines(random.Random(seed), n)
+    return "Here are the warehouse notes.\n" + "\n".join(lines) + "\n" + QUESTION
+
+
+def user_text(loaded: Any, target_tokens: int, seed: int) -> tuple[str, int]:
+    """The longest ``notes`` text whose templated prompt has at most ``target_tokens``."""
+    tok = loaded.tokenizer
+
+    def prompt_tokens(n: int) -> int:
+        messages = [{"role": "user", "content": notes(n, seed)}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    lo, hi = 1, 16
+    while prompt_tokens(hi) <= target_tokens:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # prompt_tokens(lo) <= target < prompt_tokens(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if prompt_tokens(mid) <= target_tokens else (lo, mid)
+    return notes(lo, seed), prompt_tokens(lo)

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvchat.chat.memory_snapshot import MemorySnapshot
 from kvchat.chat.session import ChatSession
 from kvchat.chat.settings import CacheSettings
 from kvchat.models.loaded import LoadedModel
+
+if TYPE_CHECKING:
+    from kvchat.storage import Conversation
 
 
 def open_session(
@@ -52,7 +56,7 @@ def open_session(
     session = ChatSession(loaded, system=system, cache=cache, spill_root=root)
     if save:
 
-        def create() -> Any:
+        def create() -> Conversation:
             conversation = store.create(
                 model_name=loaded.name,
                 fingerprint=loaded.fingerprint,
@@ -75,5 +79,5 @@ def resumed_view(session: ChatSession) -> dict[str, Any]:
         "title": manifest.title,
         "messages": [dict(m) for m in manifest.messages],
         "system": session.system,
-        "memory_history": [t.extra.get("memory", {}) for t in manifest.turns],
+        "memory_history": [MemorySnapshot.from_dict(t.extra.get("memory")) for t in manifest.turns],
     }

@@ -23,19 +23,25 @@ text the token ids stand for and the per-layer forms.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvchat.kvdirect.cache import MAX_PIECE_ROWS, pack_kv
+from kvchat.kvdirect.cache import MAX_PIECE_ROWS, KVDirectCache, KVDirectLayer, pack_kv
 from kvchat.kvdirect.state_store import Piece, PieceState
 
 if TYPE_CHECKING:
-    from kvchat.chat.session import ChatSession
+    from transformers import DynamicCache
+    from transformers.cache_utils import CacheLayerMixin
+
+    from kvchat.kvdirect.disk_tier import DiskRows
+    from kvchat.storage import Conversation, Turn
+    from kvchat.storage.segments import StreamedTensor, TensorLocation
 
 
-def _save_plan(cache: Any, since: int) -> list[dict[str, Any]]:
+def _save_plan(cache: KVDirectCache, since: int) -> list[dict[str, Any]]:
     """Per K/V-Direct layer, what a save from position ``since`` writes, in order: the
     residual pieces, and the K/V pieces plus the hot K/V rows (K/V-form layers)."""
     out = []
@@ -56,15 +62,15 @@ def _save_plan(cache: Any, since: int) -> list[dict[str, Any]]:
     return out
 
 
-def turn_tensors(cache: Any, since: int) -> dict[str, Any]:
+def turn_tensors(
+    cache: KVDirectCache | DynamicCache, since: int
+) -> dict[str, torch.Tensor | StreamedTensor]:
     """What the cache gained at positions >= ``since``, for a segment file.
 
     Rows are streamed into the segment (``StreamedTensor``) a bounded run at a time, never
     gathered in memory whole: rows on disk are read back, resident ones copied per run.
     """
-    from kvchat.kvdirect.cache import KVDirectCache
-
-    out: dict[str, Any] = {}
+    out: dict[str, torch.Tensor | StreamedTensor] = {}
     if not isinstance(cache, KVDirectCache):
         return _standard_tensors(cache, since)
     for entry in _save_plan(cache, since):
@@ -81,7 +87,7 @@ def turn_tensors(cache: Any, since: int) -> dict[str, Any]:
     return out
 
 
-def _standard_tensors(cache: Any, since: int) -> dict[str, torch.Tensor]:
+def _standard_tensors(cache: DynamicCache, since: int) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(cache.layers):
         if layer.keys is None or layer.keys.shape[-2] == 0:
@@ -97,10 +103,9 @@ def _standard_tensors(cache: Any, since: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _streamed(layer: Any, pieces: list, hot_from: int | None) -> Any:
+def _streamed(layer: KVDirectLayer, pieces: list[Piece], hot_from: int | None) -> StreamedTensor:
     """The rows of ``pieces`` then (K/V form) the hot rows from ``hot_from``, as one tensor
     streamed in bounded runs."""
-    from kvchat.kvdirect.cache import pack_kv
     from kvchat.kvdirect.disk_tier import tensor_view
     from kvchat.storage.segments import StreamedTensor
 
@@ -111,7 +116,7 @@ def _streamed(layer: Any, pieces: list, hot_from: int | None) -> Any:
         width, dtype = 2 * layer.kv_heads * layer.head_dim, layer.keys.dtype
     hot_rows = 0 if hot_from is None else layer.cumulative_length - hot_from
 
-    def chunks():
+    def chunks() -> Iterator[memoryview]:
         yield from layer.store.stream(pieces, READ_ROWS)
         if hot_rows:
             skip = hot_from - layer.hot_from
@@ -152,22 +157,22 @@ def decode_calls(runs: Any, rows: int) -> list[int]:
     return [size for size, count in runs for _ in range(count)]
 
 
-def note_saved(session: ChatSession, turn_index: int, since: int) -> None:
+def note_saved(
+    cache: KVDirectCache | DynamicCache, conversation: Conversation, turn_index: int, since: int
+) -> None:
     """After a save: point each saved piece at its rows in the segment, so the disk tier
     reads them from there (and never writes them again), and remember where the hot K/V
     rows were saved. Spill files go empty only when no piece still needs them (a save
     whose re-pointing failed leaves its rows in the spill files, which are then kept)."""
-    from kvchat.kvdirect.cache import KVDirectCache
-
-    cache = session.cache
     if not isinstance(cache, KVDirectCache):
         return
-    conversation = session.conversation
     path = conversation.segment_path(turn_index)
     bind_segment(cache, conversation.tensor_layout(turn_index), path, since)
 
 
-def bind_segment(cache: Any, layout: dict, path: Path, since: int) -> None:
+def bind_segment(
+    cache: KVDirectCache, layout: dict[str, TensorLocation], path: Path, since: int
+) -> None:
     """:func:`note_saved` for a segment written at ``path`` with tensors at ``layout``
     (what a save from ``since`` wrote), whichever conversation file it is."""
     for entry in _save_plan(cache, since):
@@ -189,7 +194,9 @@ def bind_segment(cache: Any, layout: dict, path: Path, since: int) -> None:
         cache.spill.empty()
 
 
-def segment_rows(cache: Any, where: Any, path: Path, lengths: list[int]) -> list[Any]:
+def segment_rows(
+    cache: KVDirectCache, where: TensorLocation, path: Path, lengths: list[int]
+) -> list[DiskRows]:
     """Where runs of ``lengths`` rows sit, one after another, in tensor ``where`` of a segment."""
     from kvchat.kvdirect.disk_tier import DiskRows
 
@@ -204,21 +211,22 @@ def segment_rows(cache: Any, where: Any, path: Path, lengths: list[int]) -> list
     return out
 
 
-def restore(session: ChatSession, conversation: Any, n_cached: int) -> None:
-    """Rebuild ``session.cache`` from the saved segments, in turn order.
+def restore(
+    cache: KVDirectCache | DynamicCache,
+    conversation: Conversation,
+    n_cached: int,
+    device: torch.device,
+) -> None:
+    """Rebuild ``cache`` (on ``device``) from the saved segments, in turn order.
 
     Saved pieces are not loaded: each points at its rows in the segment file, and the
     disk tier reads them when needed (or all at once when the ceiling allows). Then each
     layer's hot window is rebuilt from them (the same replay, the same bits). The standard
     cache loads its tensors.
     """
-    from kvchat.kvdirect.cache import KVDirectCache
-
-    cache = session.cache
     if not isinstance(cache, KVDirectCache):
-        _restore_standard(session, conversation, n_cached)
+        _restore_standard(cache, conversation, n_cached, device)
         return
-    device = session.loaded.device
     for turn in turns_from_last_rebase(conversation):
         layout = conversation.tensor_layout(turn.index)
         path = conversation.segment_path(turn.index)
@@ -264,14 +272,14 @@ def restore(session: ChatSession, conversation: Any, n_cached: int) -> None:
         layer.keep_under_budget()
 
 
-def turns_from_last_rebase(conversation: Any) -> list:
+def turns_from_last_rebase(conversation: Conversation) -> list[Turn]:
     """The turns whose segments make up the state: from the last rebase turn on."""
     turns = conversation.manifest.turns
     rebased = [t.index for t in turns if t.extra.get("rebase")]
     return turns[rebased[-1] - 1 :] if rebased else turns
 
 
-def _extend_store(layer: Any, entries: list) -> None:
+def _extend_store(layer: KVDirectLayer, entries: list[tuple[PieceState, DiskRows]]) -> None:
     """Add saved pieces after what the store holds (a later turn's rows replace a
     rebased turn's from the same position on)."""
     if not entries:
@@ -280,7 +288,9 @@ def _extend_store(layer: Any, entries: list) -> None:
     layer.store.from_state(entries)
 
 
-def _small_tensors(conversation: Any, index: int, layout: dict) -> dict[str, torch.Tensor]:
+def _small_tensors(
+    conversation: Conversation, index: int, layout: dict[str, TensorLocation]
+) -> dict[str, torch.Tensor]:
     """The per-layer ``.first`` / ``.calls`` index tensors, read by offset (the segment was
     verified when its layout was read). Not through ``safe_open``: with torch loaded it maps
     the whole file and costs tens of MiB of RSS for a few bytes."""
@@ -292,9 +302,9 @@ def _small_tensors(conversation: Any, index: int, layout: dict) -> dict[str, tor
     return dict(zip(names, read_rows(parts, "cpu")))
 
 
-def _restore_standard(session: ChatSession, conversation: Any, n_cached: int) -> None:
-    cache = session.cache
-    device = session.loaded.device
+def _restore_standard(
+    cache: DynamicCache, conversation: Conversation, n_cached: int, device: torch.device
+) -> None:
     parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for turn in turns_from_last_rebase(conversation):
         layout = conversation.tensor_layout(turn.index)
@@ -316,7 +326,9 @@ def _restore_standard(session: ChatSession, conversation: Any, n_cached: int) ->
         layer.cumulative_length = n_cached
 
 
-def _restore_kv(layer: Any, parts: list, n_cached: int) -> None:
+def _restore_kv(
+    layer: CacheLayerMixin, parts: list[tuple[int, torch.Tensor, torch.Tensor]], n_cached: int
+) -> None:
     """K/V rows saved turn by turn; keep the contiguous run ending at ``n_cached``."""
     run = len(parts) - 1
     while run > 0 and parts[run - 1][0] + parts[run - 1][1].shape[-2] == parts[run][0]:
@@ -331,7 +343,7 @@ def _restore_kv(layer: Any, parts: list, n_cached: int) -> None:
     layer.values = values[..., values.shape[-2] - keep :, :].contiguous()
 
 
-def _restore_hot(layer: Any, n_cached: int) -> None:
+def _restore_hot(layer: KVDirectLayer, n_cached: int) -> None:
     """The hot window's K/V from the saved pieces (replayed or read: the same bits). A
     K/V-form layer's hot rows leave its store (the store holds only what is cold); where
     they were saved as K/V, that is remembered so they are never written out again."""

@@ -12,11 +12,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from kvchat.chat.memory_snapshot import MemorySnapshot
 from kvchat.chat.settings import CacheSettings, SamplingSettings
 from kvchat.errors import KvchatError
 from kvchat.models.loaded import LoadedModel
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+    from kvchat.kvdirect.cache import KVDirectCache
+    from kvchat.kvdirect.costs import DeviceCosts
+    from kvchat.kvdirect.planner import Plan, Planner
+    from kvchat.storage import Conversation
 
 PLAIN_STOP_STRINGS = ("\nUser:", "\nuser:")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
@@ -28,7 +37,7 @@ class TurnResult:
     tokens: list[int]
     prompt_tokens: int
     finish_reason: str
-    memory: dict[str, Any]
+    memory: MemorySnapshot
     prefill_seconds: float
     decode_seconds: float
     fell_back_to_full_prefill: bool = False
@@ -63,8 +72,9 @@ class ChatSession:
         self.token_ids: list[int] = []  # every token of the conversation, in order
         self._rendered = ""  # text the token ids stand for, in the template's terms
         self._compute_seconds = 0.0
-        self.conversation: Any = None  # kvchat.storage.Conversation, when saving
-        self._create_conversation: Any = None  # makes one at the first save (no empty ones)
+        self.conversation: Conversation | None = None  # when saving
+        # Makes the conversation at the first save (no empty ones are left behind).
+        self._create_conversation: Callable[[], Conversation] | None = None
         self._stop_ids: set[int] | None = None
         self._saved_upto = 0  # cache positions already in the conversation's files
         self._unsaved_messages: list[dict[str, str]] = []
@@ -73,7 +83,7 @@ class ChatSession:
         self._rebase = False  # the state was rebuilt from text: save it whole, from 0
         self._cache_broken = False  # a forward call failed half way: rebuild before reuse
         self.spill_root: Path | None = spill_root  # where the disk tier spills (data dir)
-        self.plan: Any = None  # the planner's last Plan (kvdirect under a ceiling)
+        self.plan: Plan | None = None  # the planner's last plan (kvdirect under a ceiling)
         self.state_peak_bytes = 0  # the most resident state held at once (see memory.py)
         self._build_cache(forms)
 
@@ -81,7 +91,9 @@ class ChatSession:
     def _build_cache(self, forms: list[str] | None = None) -> None:
         """``forms``: per-layer cold forms of a resumed conversation (kept as saved)."""
         settings = self.cache_settings
-        self.planner = None
+        self.planner: Planner | None = None
+        self.cache: KVDirectCache | DynamicCache
+        self.forms: list[str] | None
         if settings.kind == "standard":
             from transformers import DynamicCache
 
@@ -106,7 +118,7 @@ class ChatSession:
         else:
             raise KvchatError(f"unknown cache kind {settings.kind!r}; use kvdirect or standard")
 
-    def _costs(self) -> Any:
+    def _costs(self) -> DeviceCosts | None:
         """Measured read and recompute costs (``auto`` only; cached after the first run)."""
         if self.cache_settings.checkpoint != "auto":
             return None
@@ -157,7 +169,7 @@ class ChatSession:
         now = self.cache.hot_bytes() + self.cache.checkpoint_bytes() + stats.step_scratch_bytes
         self.state_peak_bytes = max(self.state_peak_bytes, now + 8 * len(self.token_ids))
 
-    def _plan(self, n_tokens: int) -> Any:
+    def _plan(self, n_tokens: int) -> Plan:
         """The planner's plan for ``n_tokens``, its hot window capped by --hot-window."""
         import dataclasses
 
@@ -387,11 +399,11 @@ class ChatSession:
         self._unsaved_messages = [dict(m) for m in messages]
 
     # -- persistence ---------------------------------------------------------------------
-    def attach_conversation(self, conversation: Any) -> None:
+    def attach_conversation(self, conversation: Conversation) -> None:
         """Save every turn from now on into ``conversation`` (an open, locked store entry)."""
         self.conversation = conversation
 
-    def save_on_first_turn(self, create: Callable[[], Any]) -> None:
+    def save_on_first_turn(self, create: Callable[[], Conversation]) -> None:
         """Save every turn, into a conversation ``create()`` makes at the first save."""
         self._create_conversation = create
 
@@ -418,7 +430,7 @@ class ChatSession:
                 tensors=turn_tensors(self.cache, since),
                 extra={
                     "n_cached": n_cached,
-                    "memory": self.memory(),
+                    "memory": self.memory().to_dict(),
                     "rebase": self._rebase,
                     "calls": encode_calls(self._unsaved_calls),
                 },
@@ -437,7 +449,7 @@ class ChatSession:
         self._unsaved_messages, self._unsaved_ids, self._unsaved_calls = [], [], []
         self._rebase = False
         try:
-            note_saved(self, len(self.conversation.manifest.turns), since)
+            note_saved(self.cache, self.conversation, len(self.conversation.manifest.turns), since)
         except (KvchatError, OSError) as exc:
             # The turn is saved; only re-pointing checkpoints at it failed, so they stay in
             # the spill files, which are kept.
@@ -449,7 +461,7 @@ class ChatSession:
     def resume(
         cls,
         loaded: LoadedModel,
-        conversation: Any,
+        conversation: Conversation,
         cache: CacheSettings | None = None,
         spill_root: Path | None = None,
     ) -> ChatSession:
@@ -472,7 +484,7 @@ class ChatSession:
             raise
         return session
 
-    def _restore_from(self, conversation: Any, state: dict) -> None:
+    def _restore_from(self, conversation: Conversation, state: dict) -> None:
         from kvchat.chat.persist import restore
 
         manifest = conversation.manifest
@@ -480,7 +492,7 @@ class ChatSession:
         if self.planner is not None:
             self.plan = self._plan(n_cached)
             self.cache.apply_plan(self.plan)
-        restore(self, conversation, n_cached)
+        restore(self.cache, conversation, n_cached, self.loaded.device)
         self.messages = [dict(m) for m in manifest.messages]
         self.token_ids = list(manifest.token_ids[int(state.get("ids_from", 0)) :])
         self._rendered = state.get("rendered", "")
@@ -495,7 +507,7 @@ class ChatSession:
         return spilled + sum(t.segment.nbytes for t in self.conversation.manifest.turns)
 
     # -- accounting ----------------------------------------------------------------------
-    def memory(self) -> dict[str, Any]:
+    def memory(self) -> MemorySnapshot:
         from kvchat.chat.memory import snapshot
 
         return snapshot(self)

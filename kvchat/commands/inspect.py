@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvchat.commands.terminal import fail
 from kvchat.errors import KvchatError
 
+if TYPE_CHECKING:
+    from kvchat.kvdirect.footprint import ModelFootprint
 
-def measured_costs(fp: Any, dtype: str, data_dir: str | None) -> dict[str, Any]:
+
+def measured_costs(fp: ModelFootprint, dtype: str, data_dir: str | None) -> dict[str, Any]:
     """Read and recompute costs on this CPU and the data dir's disk (cached after once)."""
     from dataclasses import asdict
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -23,6 +23,11 @@ from kvchat.commands.terminal import (
     stream_to_stdout,
 )
 from kvchat.errors import KvchatError
+
+if TYPE_CHECKING:
+    from kvchat.chat.session import ChatSession, TurnResult
+    from kvchat.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.models.loaded import LoadedModel
 
 
 def run_prompts(opts: dict[str, Any], prompts: list[str]) -> None:
@@ -48,7 +53,7 @@ def run_prompts(opts: dict[str, Any], prompts: list[str]) -> None:
         sys.exit(code)
 
 
-def load_from_options(opts: dict[str, Any], quiet: bool = False):
+def load_from_options(opts: dict[str, Any], quiet: bool = False) -> LoadedModel:
     from kvchat.models.load import load
     from kvchat.models.registry import DEFAULT_MODEL
 
@@ -63,7 +68,7 @@ def load_from_options(opts: dict[str, Any], quiet: bool = False):
     )
 
 
-def cache_settings(opts: dict[str, Any]):
+def cache_settings(opts: dict[str, Any]) -> CacheSettings:
     from kvchat.chat.settings import CacheSettings
 
     return CacheSettings(
@@ -75,7 +80,7 @@ def cache_settings(opts: dict[str, Any]):
     )
 
 
-def open_run_session(opts: dict[str, Any]) -> Any:
+def open_run_session(opts: dict[str, Any]) -> ChatSession:
     """Load the model and open the conversation; Ctrl-C here exits 130, errors exit 1."""
     as_json = opts["as_json"]
     try:
@@ -103,7 +108,9 @@ def open_run_session(opts: dict[str, Any]) -> Any:
         fail(exc)
 
 
-def answer(session: Any, prompts: list[str], sampling: Any, as_json: bool) -> int:
+def answer(
+    session: ChatSession, prompts: list[str], sampling: SamplingSettings, as_json: bool
+) -> int:
     """Answer each prompt in turn; returns the exit status."""
     from kvchat.chat.memory import format_memory_line
 
@@ -157,7 +164,7 @@ def _turns(numbers: list[int]) -> str:
     return f"turns {numbers[0]}-{numbers[-1]} are"
 
 
-def _saved_note(session: Any) -> str:
+def _saved_note(session: ChatSession) -> str:
     conversation = session.conversation
     if conversation is None:
         return "nothing was saved"
@@ -168,7 +175,9 @@ def _saved_note(session: Any) -> str:
     )
 
 
-def _turn_json(turn: int, prompt: str, result: Any, conversation: str | None) -> dict[str, Any]:
+def _turn_json(
+    turn: int, prompt: str, result: TurnResult, conversation: str | None
+) -> dict[str, Any]:
     return {
         "conversation": conversation,
         "turn": turn,
@@ -182,5 +191,5 @@ def _turn_json(turn: int, prompt: str, result: Any, conversation: str | None) ->
         "prefill_seconds": round(result.prefill_seconds, 4),
         "decode_seconds": round(result.decode_seconds, 4),
         "decode_tokens_per_second": round(result.decode_tokens_per_second, 2),
-        "memory": result.memory,
+        "memory": result.memory.to_dict(),
     }

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvchat.commands.terminal import fail
 from kvchat.errors import KvchatError
+
+if TYPE_CHECKING:
+    from kvchat.storage import ConversationStore
 
 
 def check_conversation(opts: dict[str, Any]) -> None:
@@ -23,7 +26,7 @@ def check_conversation(opts: dict[str, Any]) -> None:
         fail(exc)
 
 
-def open_store(opts: dict[str, Any]):
+def open_store(opts: dict[str, Any]) -> ConversationStore:
     from kvchat.paths import data_dir
     from kvchat.storage import ConversationStore
 

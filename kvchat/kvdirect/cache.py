@@ -58,6 +58,7 @@ from kvchat.kvdirect.state_store import Piece, RowStore, nbytes, sub_rows
 if TYPE_CHECKING:
     from kvchat.kvdirect.arch import ArchAdapter
     from kvchat.kvdirect.planner import Plan
+    from kvchat.kvdirect.streamed_attention import StreamedAttention
 
 CHECKPOINT_FORMS = ("residual", "kv", "auto")
 MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
@@ -437,7 +438,7 @@ class KVDirectLayer(CacheLayerMixin):
             i = j
 
     def _kv_windows(
-        self, pieces: list[Piece], device: Any, begin: int, end: int, chunk_rows: int
+        self, pieces: list[Piece], device: torch.device, begin: int, end: int, chunk_rows: int
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """K/V pieces in windows of ``chunk_rows`` positions counted from ``begin``,
         whatever the pieces' own boundaries: streamed attention then sums in the same
@@ -469,7 +470,7 @@ class KVDirectLayer(CacheLayerMixin):
             yield torch.cat(window_k, dim=-2), torch.cat(window_v, dim=-2)
 
     def _in_parts(
-        self, piece: Piece, device: Any, begin: int, end: int, chunk_rows: int
+        self, piece: Piece, device: torch.device, begin: int, end: int, chunk_rows: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
         cuts = list(range(chunk_rows, piece.rows, chunk_rows))
@@ -588,7 +589,7 @@ class KVDirectCache(Cache):
         self.spill_root: Path | None = None
         self.spill: SpillArea | None = None
         self._row_files: dict[str, RowFile] = {}
-        self._attention_patch: Any = None
+        self._attention_patch: StreamedAttention | None = None
         self._budget_need_total = 0
         self._buffers: dict[str, torch.Tensor] = {}
         self.spill_error: StorageError | None = None  # a failed move to disk, reported next call
@@ -627,10 +628,12 @@ class KVDirectCache(Cache):
         if chunk is not None and self._attention_patch is None:
             from kvchat.kvdirect.streamed_attention import StreamedAttention
 
-            self._attention_patch = StreamedAttention(self)
+            self._attention_patch = StreamedAttention(self.adapter)
 
     # -- reusable scratch ----------------------------------------------------------------
-    def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    def _buffer(
+        self, name: str, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         held = self._buffers.get(name)
         if held is None or held.numel() < numel or held.dtype != dtype or held.device != device:
             held = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)

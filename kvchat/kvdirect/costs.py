@@ -32,7 +32,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvchat.kvdirect.footprint import LayerFootprint, ModelFootprint
 
 COSTS_VERSION = 1
 PROBE_BYTES = 32 * 2**20
@@ -48,7 +53,7 @@ class DeviceCosts:
     # "hidden x kv_width" -> rows/s for {"1": one-row calls, "256": 256-row calls}
     recompute_rows_per_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    def step_cost(self, layer: Any, form: str) -> float:
+    def step_cost(self, layer: LayerFootprint, form: str) -> float:
         """Seconds per cold token per step to bring ``layer``'s K/V back in ``form``."""
         disk = max(self.disk_warm_read_gbps, 1e-3) * 1e9
         if form == "kv":
@@ -59,12 +64,12 @@ class DeviceCosts:
         per_row = [1.0 / r for r in rates.values() if r > 0] or [0.0]
         return layer.residual_bytes / disk + sum(per_row) / len(per_row)
 
-    def cheaper_form(self, layer: Any) -> str:
+    def cheaper_form(self, layer: LayerFootprint) -> str:
         cheaper = self.step_cost(layer, "residual") < self.step_cost(layer, "kv")
         return "residual" if cheaper else "kv"
 
 
-def shape_key(layer: Any) -> str:
+def shape_key(layer: LayerFootprint) -> str:
     return f"{layer.hidden_size}x{2 * layer.kv_heads * layer.head_dim}"
 
 
@@ -78,7 +83,9 @@ def _cache_file(device: str, dtype: str, data_dir: Path) -> Path:
     return cache_dir() / "costs" / f"v{COSTS_VERSION}-{device}-{dtype}-dev{dev}.json"
 
 
-def device_costs(fp: Any, device: Any, dtype: str, data_dir: Path) -> DeviceCosts:
+def device_costs(
+    fp: ModelFootprint, device: torch.device, dtype: str, data_dir: Path
+) -> DeviceCosts:
     """The cached costs for this device, dtype and disk, measuring what is missing."""
     device_name = str(device)
     path = _cache_file(device_name, dtype, data_dir)
@@ -118,14 +125,14 @@ def _best(fn, repeats: int = 5) -> float:
     return best
 
 
-def _sync(device: Any) -> None:
+def _sync(device: torch.device) -> None:
     import torch
 
     if getattr(device, "type", str(device)) == "cuda":
         torch.cuda.synchronize()
 
 
-def _memory_read_gbps(device: Any) -> float:
+def _memory_read_gbps(device: torch.device) -> float:
     import torch
 
     src = torch.empty(PROBE_BYTES // 4, dtype=torch.float32, device=device)
@@ -169,7 +176,7 @@ def _disk_read_gbps(data_dir: Path) -> tuple[float, float]:
         os.unlink(name)
 
 
-def _recompute_rates(layer: Any, device: Any, dtype: str) -> dict[str, float]:
+def _recompute_rates(layer: LayerFootprint, device: torch.device, dtype: str) -> dict[str, float]:
     """Rows/s of norm + k/v projection at the layer's shape, for 1-row and 256-row calls."""
     import torch
     import torch.nn.functional as F

@@ -29,10 +29,13 @@ plans again once per block, not once per token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvchat.errors import NeedsDiskTierError
 from kvchat.kvdirect.footprint import LayerFootprint, ModelFootprint
+
+if TYPE_CHECKING:
+    from kvchat.kvdirect.costs import DeviceCosts
 
 TOKEN_ID_BYTES = 8
 
@@ -74,7 +77,9 @@ def human_bytes(n: float) -> str:
     return f"{n:,.0f} {unit}" if abs(n) >= 10_000 else f"{n:.1f} {unit}"
 
 
-def choose_forms(fp: ModelFootprint, checkpoint: str, costs: Any = None) -> list[str]:
+def choose_forms(
+    fp: ModelFootprint, checkpoint: str, costs: DeviceCosts | None = None
+) -> list[str]:
     """Cold form per layer: the paper's residual, plain K/V, or ``auto``: the cheaper exact
     form per step under the measured ``costs`` (see costs.py), else the smaller one."""
     if checkpoint == "auto":

@@ -26,15 +26,14 @@ segment), ``drop_before`` (sliding windows), and ``state`` / ``from_state`` for 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import xxhash
 
 from kvchat.errors import StorageError
-from kvchat.kvdirect.disk_tier import DiskRows, read_rows, tensor_view
+from kvchat.kvdirect.disk_tier import DiskRows, SpillArea, read_rows, tensor_view
 
 FORMS = ("residual", "kv")
 
@@ -58,7 +57,8 @@ class Piece:
     saved: DiskRows | None = None  # the same rows in a saved segment, once saved
     digest: int | None = None  # xxh3 of the bytes on disk (None: not known yet)
     calls: list[int] | None = None  # residual form: row count of each original call
-    hasher: Any = field(default=None, repr=False, compare=False)  # while it may grow
+    # While the piece may grow (its digest is kept up to date as rows are appended).
+    hasher: xxhash.xxh3_64 | None = field(default=None, repr=False, compare=False)
 
     @property
     def rows(self) -> int:
@@ -226,7 +226,7 @@ class RowStore:
         self,
         pieces: list[Piece],
         device: torch.device | str,
-        scratch: Any = None,
+        scratch: Callable[[int], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """The rows of ``pieces`` (resident as they are; those on disk read and checked).
         ``scratch(nbytes)``: a reusable flat uint8 buffer to read into (see read_rows)."""
@@ -279,7 +279,7 @@ class RowStore:
         return sum(p.disk.nbytes for p in pieces if p.resident is None)
 
     # -- moving between tiers -------------------------------------------------------------
-    def move_out(self, excess: int, spill: Any) -> int:
+    def move_out(self, excess: int, spill: SpillArea) -> int:
         """Move the oldest resident pieces out until ``excess`` bytes are freed. Rows already
         in a saved segment are just re-pointed; others are written to ``spill`` in one run.
         Returns the bytes written. StorageError (disk full) leaves everything resident."""
@@ -319,7 +319,7 @@ class RowStore:
         self._advance()
         return written
 
-    def write_out(self, piece: Piece, spill: Any) -> None:
+    def write_out(self, piece: Piece, spill: SpillArea) -> None:
         """Append ``piece`` (resident rows leaving the hot window) on disk: into its saved
         segment when it is one, else the spill file. StorageError propagates, with
         ``piece`` and the store unchanged."""

@@ -22,12 +22,41 @@ original mask function registered under the same name, and restored on ``remove(
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from kvchat.kvdirect.cache import KVDirectCache, KVDirectLayer
+    from kvchat.kvdirect.arch import ArchAdapter
+
+
+# What this module reads of the cache (kvchat.kvdirect.cache, which imports this module):
+# described here rather than imported, so the two do not depend on each other.
+class ScratchCounter(Protocol):
+    def note_scratch(self, n: int) -> None: ...
+
+
+class StreamingCache(Protocol):
+    stream_chunk: int | None
+    decode_stream_chunk: int | None
+
+    @property
+    def stats(self) -> ScratchCounter: ...
+
+
+class StreamedLayer(Protocol):
+    """A cache layer that leaves cold positions ``pending_cold`` for attention to fetch."""
+
+    layer_idx: int
+    pending_cold: tuple[int, int] | None
+
+    @property
+    def owner(self) -> StreamingCache: ...
+
+    def iter_cold_kv(
+        self, begin: int, end: int, chunk_rows: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def _online_update(
@@ -60,7 +89,7 @@ def _online_update(
 
 
 def streamed_attention(
-    layer: KVDirectLayer,
+    layer: StreamedLayer,
     module: Any,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -126,11 +155,10 @@ class StreamedAttention:
     read. The model's own attention implementation is restored when the last user goes.
     """
 
-    def __init__(self, cache: KVDirectCache) -> None:
+    def __init__(self, adapter: ArchAdapter) -> None:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-        adapter = cache.adapter
         self.modules = [adapter.attention_module(i) for i in range(adapter.num_layers)]
         self.configs = []
         for module in self.modules:

@@ -120,8 +120,8 @@ def _run(
 
             def sample(_piece: str, peak: dict[str, int] = peak) -> None:
                 mem = session.memory()
-                peak["state_bytes"] = max(peak["state_bytes"], mem["state_bytes"])
-                peak["rss_bytes"] = max(peak["rss_bytes"], mem["rss_bytes"])
+                peak["state_bytes"] = max(peak["state_bytes"], mem.state_bytes)
+                peak["rss_bytes"] = max(peak["rss_bytes"], mem.rss_bytes)
 
             try:
                 result = session.send(text, sampling, on_text=sample)
@@ -131,31 +131,31 @@ def _run(
             mem = result.memory
             record = {
                 "turn": turn,
-                "tokens": mem["tokens"],
+                "tokens": mem.tokens,
                 "reply_tokens": len(result.tokens),
                 "finish_reason": result.finish_reason,
-                "state_bytes": mem["state_bytes"],
-                "peak_state_bytes": max(peak["state_bytes"], mem["state_bytes"]),
-                "standard_equivalent_bytes": mem["standard_equivalent_bytes"],
-                "hot_kv_bytes": mem["hot_kv_bytes"],
-                "checkpoint_bytes": mem["checkpoint_bytes"],
-                "scratch_peak_bytes": mem["scratch_peak_bytes"],
-                "token_id_bytes": mem["token_id_bytes"],
-                "disk_bytes": mem.get("disk_bytes", 0) or 0,
-                "hot_window": mem.get("hot_window"),
-                "hot_tokens": mem.get("hot_tokens"),
-                "rss_bytes": mem["rss_bytes"],
-                "peak_rss_bytes": max(peak["rss_bytes"], mem["rss_bytes"]),
-                "rss_growth_bytes": mem["rss_bytes"] - rss_start,
-                "recompute_seconds": mem.get("recompute_seconds", 0.0),
+                "state_bytes": mem.state_bytes,
+                "peak_state_bytes": max(peak["state_bytes"], mem.state_bytes),
+                "standard_equivalent_bytes": mem.standard_equivalent_bytes,
+                "hot_kv_bytes": mem.hot_kv_bytes,
+                "checkpoint_bytes": mem.checkpoint_bytes,
+                "scratch_peak_bytes": mem.scratch_peak_bytes,
+                "token_id_bytes": mem.token_id_bytes,
+                "disk_bytes": mem.disk_bytes,
+                "hot_window": mem.hot_window,
+                "hot_tokens": mem.hot_tokens,
+                "rss_bytes": mem.rss_bytes,
+                "peak_rss_bytes": max(peak["rss_bytes"], mem.rss_bytes),
+                "rss_growth_bytes": mem.rss_bytes - rss_start,
+                "recompute_seconds": mem.recompute_seconds,
                 "seconds": result.prefill_seconds + result.decode_seconds,
                 "reply": result.reply,
             }
             run.turns.append(record)
             run.replies.append(list(result.tokens))
             say(
-                f"  {label} turn {turn}: {mem['tokens']} tokens, state "
-                f"{mem['state_bytes'] / MIB:.1f} MiB, hot window {mem.get('hot_window')}"
+                f"  {label} turn {turn}: {mem.tokens} tokens, state "
+                f"{mem.state_bytes / MIB:.1f} MiB, hot window {mem.hot_window}"
             )
             if result.finish_reason == "ceiling":
                 run.refused = {

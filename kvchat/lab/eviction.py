@@ -43,6 +43,7 @@ from kvchat.kvdirect.cache import KVDirectCache
 from kvchat.lab.baselines import POLICIES as EVICTION_POLICIES
 from kvchat.lab.baselines import EvictionCache
 from kvchat.lab.context import LabContext
+from kvchat.lab.harness import human_bytes
 from kvchat.lab.report import Claim, Section, Table
 
 BUDGETS = (0.05, 0.10, 0.25, 0.50)
@@ -472,12 +473,6 @@ def run(ctx: LabContext) -> Section:
 # -- report ----------------------------------------------------------------------------------
 
 
-def _human(n: int) -> str:
-    from kvchat.kvdirect.planner import human_bytes
-
-    return human_bytes(n)
-
-
 def _table(rows: list[dict[str, Any]], workloads: list[dict[str, Any]]) -> Table:
     titles = {w["key"]: w["title"] for w in workloads}
     ref_bytes = {w["key"]: w["reference_kv_bytes"] for w in workloads}
@@ -493,8 +488,8 @@ def _table(rows: list[dict[str, Any]], workloads: list[dict[str, Any]]) -> Table
                 r["first_divergence"] if r["first_divergence"] is not None else "none",
                 r["mean_kl"],
                 r["top1"],
-                _human(r["kv_bytes"]),
-                _human(r["total_bytes"]),
+                human_bytes(r["kv_bytes"]),
+                human_bytes(r["total_bytes"]),
                 f"{r['total_bytes'] / ref_bytes[r['workload']]:.2f}",
             ]
         )
@@ -640,7 +635,7 @@ def _summary(
             f"* {wl['title']} on {wl['model']}: {wl['context_tokens']} tokens in all, "
             f"{wl['generated_tokens']} generated over {wl['turns']} turn(s); budgets are "
             f"fractions of {wl['budget_base_tokens']} tokens; full cache "
-            f"{_human(wl['reference_kv_bytes'])}."
+            f"{human_bytes(wl['reference_kv_bytes'])}."
         )
     smallest = min(budgets) if budgets else None
     for wl in workloads:

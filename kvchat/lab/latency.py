@@ -33,7 +33,7 @@ of single decoded tokens, and the forward stops after the studied layer. The rec
 are checked ``torch.equal`` against the K/V the model cached (and the disk path against the
 memory path), outside the timings.
 
-Timing follows ``benchmarks/common.py``: repeats are interleaved (each repeat measures every
+Timing follows ``kvchat.lab.harness``: repeats are interleaved (each repeat measures every
 cell once, in an order rotating from repeat to repeat), one measurement averages a few
 operations (cold disk operations: each timed alone), CUDA is synchronized before a clock is
 read, and medians over repeats are reported; ratios are taken per repeat between
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvchat.lab import harness
 from kvchat.lab.context import LabContext
 from kvchat.lab.prompts import seeded_ids
 from kvchat.lab.report import Claim, Section, Table
@@ -78,7 +78,7 @@ SHORT = ("mem", "disk warm", "disk cold", "re", "disk warm h+re", "disk cold h+r
 SHORT_RATIOS = ("re/mem", "h+re/kv warm", "h+re/kv cold", "re/kv cold")
 BATCHES = (1, 16, 64, 256, 1024)
 PAPER_SPEEDUP = 5.0
-CAN_DROP_PAGES = hasattr(os, "posix_fadvise")  # Linux; not macOS: no cold-disk figures there
+CAN_DROP_PAGES = harness.CAN_DROP_PAGES  # Linux; not macOS: no cold-disk figures there
 
 
 @dataclass
@@ -219,14 +219,6 @@ def _write_files(layout: Layout, layer: int, folder: Path) -> None:
                 layout.handles[name] = safe_open(str(path), framework="pt", device="cpu")
 
 
-def _drop_pages(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _ops(
     loaded: Any, layer: int, layout: Layout, batch: int, start: int, end: int
 ) -> dict[str, tuple[Callable[[], Any], Callable[[], None] | None]]:
@@ -282,51 +274,9 @@ def _ops(
         DISK_WARM_RE: (disk_warm_re, None),
     }
     if CAN_DROP_PAGES:
-        ops[DISK_COLD] = (disk_cold, lambda: _drop_pages(cold_kv))
-        ops[DISK_COLD_RE] = (disk_cold_re, lambda: _drop_pages(cold_h))
+        ops[DISK_COLD] = (disk_cold, lambda: harness.drop_pages(cold_kv))
+        ops[DISK_COLD_RE] = (disk_cold_re, lambda: harness.drop_pages(cold_h))
     return ops
-
-
-def _synchronizer(device: Any) -> Callable[[], None]:
-    import torch
-
-    if str(device).startswith("cuda"):
-        return torch.cuda.synchronize
-    if str(device).startswith("mps"):
-        return torch.mps.synchronize
-    return lambda: None
-
-
-def _measure(
-    op: Callable[[], Any], prepare: Callable[[], None] | None, inner: int, sync: Callable
-) -> float:
-    """Seconds per operation: ``inner`` operations, each alone if it needs preparing."""
-    if prepare is None:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            op()
-        sync()
-        return (time.perf_counter() - t0) / inner
-    total = 0.0
-    for _ in range(inner):
-        prepare()
-        sync()
-        t0 = time.perf_counter()
-        op()
-        sync()
-        total += time.perf_counter() - t0
-    return total / inner
-
-
-def _rotated(items: list[Any], k: int) -> list[Any]:
-    k %= max(len(items), 1)
-    return items[k:] + items[:k]
-
-
-def _median(values: list[float]) -> float:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    return statistics.median(values) if values else float("nan")
 
 
 def _measure_context(
@@ -343,7 +293,7 @@ def _measure_context(
         _fill(loaded, layer, layout, ids)
         _write_files(layout, layer, folder)
     fill_seconds = time.perf_counter() - t0
-    sync = _synchronizer(loaded.device)
+    sync = harness.synchronizer(loaded.device)
 
     # Cells: (batch, op) -> (operation, preparation); exactness checked once, untimed.
     cells: dict[tuple[int, str], tuple[Callable, Callable | None]] = {}
@@ -386,20 +336,21 @@ def _measure_context(
     inner: dict[tuple[int, str], int] = {}
     with torch.no_grad():
         for key, (op, prepare) in cells.items():
-            _measure(op, prepare, 1, sync)  # warm-up
-            once = _measure(op, prepare, 1, sync)
+            harness.seconds_per_op(op, prepare, 1, sync)  # warm-up
+            once = harness.seconds_per_op(op, prepare, 1, sync)
             n = max(1, min(200, math.ceil(plan.target_seconds / max(once, 1e-7))))
             inner[key] = min(n, 5) if prepare is not None else n
 
-    times: dict[tuple[int, str], list[float]] = {key: [] for key in cells}
-    keys = list(cells)
-    t0 = time.perf_counter()
+    def measure(key: tuple[int, str], _rep: int) -> float:
+        op, prepare = cells[key]
+        return harness.seconds_per_op(op, prepare, inner[key], sync)
+
+    elapsed = harness.stopwatch()
     with torch.no_grad():
-        for rep in range(plan.repeats):
-            for key in _rotated(keys, rep * max(1, len(keys) // plan.repeats + 1)):
-                op, prepare = cells[key]
-                times[key].append(_measure(op, prepare, inner[key], sync))
-    timing_seconds = time.perf_counter() - t0
+        times = harness.interleaved(
+            cells, plan.repeats, measure, stride=max(1, len(cells) // plan.repeats + 1), settle=None
+        )
+    timing_seconds = elapsed()
 
     file_bytes = {name: layouts[0].files[f"{name}-warm"].stat().st_size for name in ("kv", "h")}
     for layout in layouts:
@@ -411,13 +362,11 @@ def _measure_context(
     batches = sorted({b for b, _ in cells})
     per_batch: dict[int, Any] = {}
     for batch in batches:
-        med = {op: _median(times[(batch, op)]) for op in OPS if (batch, op) in times}
+        med = {op: harness.median(times[(batch, op)]) for op in OPS if (batch, op) in times}
         ratios = {}
         for name, num, den in RATIOS:
             if (batch, num) in times and (batch, den) in times:
-                ratios[name] = _median(
-                    [a / b for a, b in zip(times[(batch, num)], times[(batch, den)]) if b > 0]
-                )
+                ratios[name] = harness.median_ratio(times[(batch, num)], times[(batch, den)])
         per_batch[batch] = {
             "median_seconds": med,
             "seconds": {op: times[(batch, op)] for op in OPS if (batch, op) in times},

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvchat.lab.harness import markdown_table, write_json
 
 
 @dataclass
@@ -29,14 +30,7 @@ class Table:
     caption: str = ""
 
     def markdown(self) -> str:
-        cells = [[str(h) for h in self.headers]] + [[_cell(c) for c in r] for r in self.rows]
-        widths = [max(len(r[i]) for r in cells) for i in range(len(self.headers))]
-        lines = []
-        for n, row in enumerate(cells):
-            lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
-            if n == 0:
-                lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-        text = "\n".join(lines)
+        text = markdown_table(self.headers, [[_cell(c) for c in r] for r in self.rows])
         return f"{self.caption}\n\n{text}" if self.caption else text
 
 
@@ -92,16 +86,6 @@ def verdict_markdown(sections: Sequence[Section]) -> str:
     return "## Verdict\n\n" + (table.markdown() if rows else "No claims were checked.")
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def write_results(
     results_dir: Path, kind: str, sections: Sequence[Section], meta: dict[str, Any]
 ) -> dict[str, Path]:
@@ -113,8 +97,7 @@ def write_results(
         "sections": [asdict(s) for s in sections],
         "verdict": [{"section": s.key, **asdict(c)} for s in sections for c in s.claims],
     }
-    json_path = results_dir / "results.json"
-    json_path.write_text(json.dumps(_jsonable(payload), indent=2) + "\n")
+    json_path = write_json(results_dir / "results.json", payload)
     command = meta.get("command", f"kvchat {kind}")
     header = [
         f"# kvchat {kind} report",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import datetime as dt
 import platform
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvchat.lab import harness
 from kvchat.lab.context import LabContext
 from kvchat.lab.report import Claim, Section, write_results
 
@@ -38,7 +38,7 @@ def run_suite(
     sections: list[Section] = []
     for key, experiment in experiments:
         ctx.say(f"{kind}: {key} ...")
-        t0 = time.perf_counter()
+        elapsed = harness.stopwatch()
         try:
             with torch.no_grad():
                 section = experiment(ctx)
@@ -46,7 +46,7 @@ def run_suite(
             section = Section(key=key, title=key, error=f"{type(exc).__name__}: {exc}")
             section.claims.append(Claim(f"{key} ran", False, section.error))
             section.data["traceback"] = traceback.format_exc()
-        section.seconds = time.perf_counter() - t0
+        section.seconds = elapsed()
         ctx.say(f"{kind}: {key} done in {section.seconds:.1f} s")
         sections.append(section)
     meta = {
@@ -56,6 +56,7 @@ def run_suite(
         "device": ctx.device,
         "quick": ctx.quick,
         "threads": torch.get_num_threads(),
+        "environment": harness.environment(torch.get_num_threads()),
     }
     paths = write_results(ctx.results_dir, kind, sections, meta)
     return sections, paths

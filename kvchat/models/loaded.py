@@ -6,7 +6,14 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    from kvchat.kvdirect.arch import ArchAdapter
+    from kvchat.kvdirect.footprint import ModelFootprint
 
 _SAMPLE = 1 << 20
 
@@ -15,29 +22,29 @@ _SAMPLE = 1 << 20
 class LoadedModel:
     """A model ready to chat: weights, tokenizer, and what the engine derives from them."""
 
-    model: Any
-    tokenizer: Any
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     name: str
-    device: Any
+    device: torch.device
     dtype: str
     weights_bytes: int
-    footprint: Any  # ModelFootprint at the model's dtype
+    footprint: ModelFootprint  # at the model's dtype
     weights_mode: str = "none"
-    path: Any = None  # the resolved model directory, when there is one
-    _adapter: Any = field(default=None, repr=False)
+    path: Path | None = None  # the resolved model directory, when there is one
+    _adapter: ArchAdapter | None = field(default=None, repr=False)
     _fingerprint: str | None = field(default=None, repr=False)
 
     @property
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            self._fingerprint = fingerprint(self, self.path)
+            self._fingerprint = fingerprint(self.model.config, self.weights_mode, self.path)
         return self._fingerprint
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def adapter(self) -> Any:
+    def adapter(self) -> ArchAdapter:
         if self._adapter is None:
             from kvchat.kvdirect.arch import ArchAdapter
 
@@ -45,14 +52,13 @@ class LoadedModel:
         return self._adapter
 
 
-def fingerprint(loaded: LoadedModel, model_dir: Path | None) -> str:
+def fingerprint(config: PretrainedConfig, weights_mode: str, model_dir: Path | None) -> str:
     """sha256 over the config, the weights files' headers, sizes and first/last MiB, and the
     weight quantization: enough to tell two models (or two quantizations) apart in
     milliseconds, where hashing every weight byte would cost seconds at each start."""
     digest = hashlib.sha256()
-    config = loaded.model.config.to_dict()
-    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    digest.update(loaded.weights_mode.encode())
+    digest.update(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    digest.update(weights_mode.encode())
     if model_dir is not None:
         for weights in sorted(Path(model_dir).glob("*.safetensors")):
             size = weights.stat().st_size

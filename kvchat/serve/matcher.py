@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvchat.errors import KvchatError
-from kvchat.storage import ConversationStore
+from kvchat.storage import ConversationStore, ConversationSummary
 
 Messages = tuple[tuple[str, str], ...]
 
@@ -55,7 +55,7 @@ class ConversationMatcher:
                 return summary.id
         return None
 
-    def _entry(self, summary: Any) -> _Entry | None:
+    def _entry(self, summary: ConversationSummary) -> _Entry | None:
         revision = (summary.last_used, summary.turns, summary.tokens)
         cached = self._entries.get(summary.id)
         if cached is not None and cached.revision == revision:

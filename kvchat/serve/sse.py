@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvchat.serve import protocol
-from kvchat.serve.worker import Job
+from kvchat.serve.worker import Job, TurnReply
 
 DONE = "data: [DONE]\n\n"
 
@@ -24,7 +24,7 @@ async def stream_completion(
     events: asyncio.Queue,
     completion_id: str,
     model: str,
-    extension: Any,
+    extension: Callable[[TurnReply], dict[str, Any]],
 ) -> AsyncIterator[str]:
     """Role chunk, one chunk per text delta, the finishing chunk, usage, ``[DONE]``.
 

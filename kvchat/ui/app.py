@@ -26,7 +26,7 @@ from textual.widgets import Footer, ProgressBar, Static
 
 from kvchat.errors import KvchatError
 from kvchat.ui import commands
-from kvchat.ui.backend import Backend, ModelView
+from kvchat.ui.backend import Backend, MemorySnapshot, ModelView
 from kvchat.ui.engine_thread import EngineThread
 from kvchat.ui.format import count, fmt_bytes
 from kvchat.ui.messages import (
@@ -87,8 +87,8 @@ class KvchatApp(App[None]):
         self.model: ModelView | None = None
         self.phase = "loading"  # loading | ready | failed
         self.busy = False  # a reply is streaming
-        self.turn_memory: list[dict[str, Any]] = []  # snapshot after each turn
-        self.live_memory: dict[str, Any] | None = None
+        self.turn_memory: list[MemorySnapshot] = []  # snapshot after each turn
+        self.live_memory: MemorySnapshot | None = None
         self.load_error: str | None = None
         self._stop = threading.Event()
         self._reply: MessageView | None = None

@@ -1,8 +1,9 @@
 """What the chat app needs from an engine, as a small interface of plain values.
 
-The app never touches tensors: it talks to a :class:`Backend`, gets strings, dicts and the
-dataclasses below back, and never imports torch. :class:`~kvchat.ui.engine_backend.EngineBackend`
-wraps the real engine; ``tests/ui/fakes.py`` has a fake that streams canned words.
+The app never touches tensors: it talks to a :class:`Backend`, gets strings, dicts, memory
+snapshots (plain numbers) and the dataclasses below back, and never imports torch.
+:class:`~kvchat.ui.engine_backend.EngineBackend` wraps the real engine; ``tests/ui/fakes.py``
+has a fake that streams canned words.
 
 Threading contract: the app calls ``load``, ``send``, ``memory``, ``set_system``,
 ``new_conversation`` and ``open_conversation`` on its one engine thread, in order, never two
@@ -17,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvchat.chat.memory_snapshot import MemorySnapshot
 from kvchat.chat.settings import SamplingSettings
 
 Progress = Callable[[str], None]
-MemorySnapshot = dict[str, Any]  # the keys of kvchat.chat.memory.snapshot
 
 
 @dataclass

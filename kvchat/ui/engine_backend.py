@@ -8,7 +8,7 @@ nothing and the window appears before the model starts loading.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvchat.chat.settings import CacheSettings, SamplingSettings
 from kvchat.errors import KvchatError
@@ -19,7 +19,12 @@ from kvchat.ui.backend import (
     ModelView,
     Progress,
     ResumedConversation,
+    TurnView,
 )
+
+if TYPE_CHECKING:
+    from kvchat.chat.session import ChatSession
+    from kvchat.models.loaded import LoadedModel
 
 __all__ = ["DEFAULT_MODEL", "EngineBackend"]
 
@@ -30,8 +35,8 @@ class EngineBackend:
     def __init__(self, opts: dict[str, Any]) -> None:
         self.opts = dict(opts)
         self.launch = LaunchOptions.from_cli(self.opts)
-        self._loaded: Any = None
-        self._session: Any = None
+        self._loaded: LoadedModel | None = None
+        self._session: ChatSession | None = None
 
     # -- model -----------------------------------------------------------------------------
     def load(self, progress: Progress, spec: str | None = None) -> ModelView:
@@ -69,7 +74,7 @@ class EngineBackend:
             prefill_chunk=o.get("prefill_chunk") or 256,
         )
 
-    def _new_session(self, system: str | None, conversation_id: str | None = None) -> Any:
+    def _new_session(self, system: str | None, conversation_id: str | None = None) -> ChatSession:
         from kvchat.chat.conversation import open_session
 
         return open_session(
@@ -81,7 +86,7 @@ class EngineBackend:
             save=not self.opts.get("no_save"),
         )
 
-    def _require_session(self) -> Any:
+    def _require_session(self) -> ChatSession:
         if self._session is None:
             raise KvchatError("the model is not loaded yet; wait for it, or restart kvchat")
         return self._session
@@ -95,9 +100,7 @@ class EngineBackend:
         on_text: Callable[[str], None],
         should_stop: Callable[[], bool],
         on_progress: Callable[[int, int], None] | None = None,
-    ) -> Any:
-        from kvchat.ui.backend import TurnView
-
+    ) -> TurnView:
         session = self._require_session()
         result = session.send(
             text, sampling, on_text=on_text, should_stop=should_stop, on_progress=on_progress

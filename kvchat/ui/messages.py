@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from textual.message import Message
 
-from kvchat.ui.backend import ModelView, ResumedConversation, TurnView
+from kvchat.ui.backend import MemorySnapshot, ModelView, ResumedConversation, TurnView
 
 
 class PrefillProgress(Message):
@@ -46,7 +44,7 @@ class ReplyChunk(Message):
 
 
 class MemoryUpdate(Message):
-    def __init__(self, memory: dict[str, Any]) -> None:
+    def __init__(self, memory: MemorySnapshot) -> None:
         super().__init__()
         self.memory = memory
 

@@ -70,18 +70,18 @@ def test_snapshot_matches_the_tensor_bytes_held(smollm2_loaded):
     for prompt in ("Tell me about the moon.", "And the sun?"):
         session.send(prompt, SamplingSettings(max_new_tokens=40))
     mem = session.memory()
-    assert mem["hot_kv_bytes"] + mem["checkpoint_bytes"] == storage_bytes_held(session.cache)
-    assert mem["token_id_bytes"] == 8 * len(session.token_ids)
-    assert mem["state_bytes"] <= 12 * 2**20
-    assert mem["tokens"] == mem["hot_tokens"] + mem["checkpointed_tokens"]
-    assert 0 < mem["checkpointed_tokens"] and mem["recompute_seconds"] > 0
+    assert mem.hot_kv_bytes + mem.checkpoint_bytes == storage_bytes_held(session.cache)
+    assert mem.token_id_bytes == 8 * len(session.token_ids)
+    assert mem.state_bytes <= 12 * 2**20
+    assert mem.tokens == mem.hot_tokens + mem.checkpointed_tokens
+    assert 0 < mem.checkpointed_tokens and mem.recompute_seconds > 0
     # Scratch kept between calls (buffers reused by every layer), found by walking the
     # cache's objects, is within what the snapshot reports; and it stays within one layer's
     # worth: its recomputed K/V plus the copy for attention.
     held = scratch_storages_held(session.cache)
-    assert 0 < held <= mem["scratch_peak_bytes"]
-    one_layer = 2 * mem["tokens"] * smollm2_loaded.footprint.layers[0].kv_bytes
-    assert mem["scratch_peak_bytes"] <= one_layer
+    assert 0 < held <= mem.scratch_peak_bytes
+    one_layer = 2 * mem.tokens * smollm2_loaded.footprint.layers[0].kv_bytes
+    assert mem.scratch_peak_bytes <= one_layer
     line = format_memory_line(mem)
     assert "standard cache" in line and "hot" in line and "recompute" in line
 
@@ -123,8 +123,8 @@ def test_rss_growth_stays_within_the_ceiling_plus_allowance(smollm2_loaded):
         sampler.join()
     mem = session.memory()
     assert len(outcome.tokens) == 250
-    assert mem["checkpointed_tokens"] > 0, "the ceiling never forced an eviction"
-    assert mem["state_bytes"] <= ceiling
+    assert mem.checkpointed_tokens > 0, "the ceiling never forced an eviction"
+    assert mem.state_bytes <= ceiling
     assert peak - baseline <= ceiling + RSS_ALLOWANCE, (
         f"RSS grew {(peak - baseline) / 2**20:.1f} MiB"
     )

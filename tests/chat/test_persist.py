@@ -61,7 +61,7 @@ def test_resume_continues_exactly_like_a_process_that_never_stopped(smollm2_load
                 k, v = ours.cold_kv(begin, end)
                 rk, rv = ref.cold_kv(begin, end)
                 assert torch.equal(k, rk) and torch.equal(v, rv)
-    assert resumed.memory()["disk_bytes"] > 0
+    assert resumed.memory().disk_bytes > 0
     resumed.close()
 
 

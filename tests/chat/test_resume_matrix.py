@@ -58,18 +58,18 @@ def test_resume_under_another_ceiling_or_form_continues_exactly(
     )
     ceiling = resumed_with.max_mem
     if ceiling is not None:
-        assert resumed.memory()["state_bytes"] <= ceiling
+        assert resumed.memory().state_bytes <= ceiling
     got.append(resumed.send(PROMPTS[2], GREEDY).tokens)
     mem = resumed.memory()
     resumed.close()
     assert got == tokens, f"{name}: tokens differ from a process that never stopped"
     assert resumed.token_ids == reference.token_ids
     if ceiling is not None:
-        assert mem["state_bytes"] <= ceiling
+        assert mem.state_bytes <= ceiling
     else:
         # No ceiling: everything is K/V, hot, exactly what the standard cache holds.
-        assert mem["checkpoint_bytes"] == 0
-        assert mem["hot_kv_bytes"] == mem["standard_equivalent_bytes"]
+        assert mem.checkpoint_bytes == 0
+        assert mem.hot_kv_bytes == mem.standard_equivalent_bytes
         if saved_with.max_mem is not None and saved_with.max_mem < 10**8:
             return  # saved under streamed attention: same tokens, not the same last bits
         for layer, ref in zip(resumed.cache.layers, reference.cache.layers):
@@ -81,8 +81,8 @@ def test_a_roomy_ceiling_holds_no_more_than_the_standard_cache(smollm2_loaded):
     for p in PROMPTS:
         session.send(p, GREEDY)
     mem = session.memory()
-    assert mem["hot_kv_bytes"] + mem["checkpoint_bytes"] <= mem["standard_equivalent_bytes"]
-    assert mem["plan"] == "all in memory" and mem["forms"] == "kv"
+    assert mem.hot_kv_bytes + mem.checkpoint_bytes <= mem.standard_equivalent_bytes
+    assert mem.plan == "all in memory" and mem.forms == "kv"
     session.close()
 
 
@@ -97,6 +97,6 @@ def test_checkpoint_kv_is_honoured_on_resume(smollm2_loaded, tmp_path):
         cache=CacheSettings(max_mem=10**9, checkpoint="kv"),
         conversation_id=conv_id,
     )
-    assert set(resumed.forms) == {"kv"} and resumed.memory()["forms"] == "kv"
-    assert resumed.memory()["checkpoint_bytes"] == 0  # the saved residuals were not loaded
+    assert set(resumed.forms) == {"kv"} and resumed.memory().forms == "kv"
+    assert resumed.memory().checkpoint_bytes == 0  # the saved residuals were not loaded
     resumed.close()

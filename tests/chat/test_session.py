@@ -168,5 +168,5 @@ def test_reply_reaching_the_ceiling_ends_early_and_keeps_what_was_said(smollm2_l
     result = session.send("Write a long story about a cat.", SamplingSettings(max_new_tokens=900))
     assert result.finish_reason == "ceiling" and "--max-mem" in result.error
     assert result.reply and session.messages[-1]["content"] == result.reply
-    assert result.memory["state_bytes"] <= ceiling
+    assert result.memory.state_bytes <= ceiling
     session.close()

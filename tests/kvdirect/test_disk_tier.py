@@ -136,8 +136,8 @@ def test_smollm2_grows_past_a_2mb_ceiling_with_the_same_replies(smollm2_loaded, 
     assert session.plan.disk_tier and session.plan.stream_chunk is not None
     assert max(seen) <= ceiling, f"resident state reached {max(seen)} bytes"
     mem = got[-1].memory
-    assert mem["state_bytes"] <= ceiling < mem["standard_equivalent_bytes"]
-    assert mem["disk_bytes"] > 30_000 * tokens  # ~69 KB of residuals per token, mostly on disk
+    assert mem.state_bytes <= ceiling < mem.standard_equivalent_bytes
+    assert mem.disk_bytes > 30_000 * tokens  # ~69 KB of residuals per token, mostly on disk
     session.close()
 
 
@@ -166,8 +166,8 @@ def test_8k_token_conversation_resumed_under_2mb_continues_identically(smollm2_l
         reply = resumed.send(question, SamplingSettings(max_new_tokens=6))
     resumed.close()
     assert max(seen) <= 2_000_000, f"resident state reached {max(seen)} bytes"
-    assert reply.memory["standard_equivalent_bytes"] > 90 * 2_000_000
-    assert reply.memory["disk_bytes"] > 350 * 2**20  # the 8K tokens' K/V, on disk
+    assert reply.memory.standard_equivalent_bytes > 90 * 2_000_000
+    assert reply.memory.disk_bytes > 350 * 2**20  # the 8K tokens' K/V, on disk
     # Loading the checkpoints would take 560 MB; RSS stays within ceiling + allowance.
     assert rss.growth <= 2_000_000 + RSS_ALLOWANCE, f"RSS grew {rss.growth / 2**20:.0f} MiB"
 
@@ -216,7 +216,7 @@ def test_a_full_disk_while_spilling_ends_the_reply_cleanly_and_keeps_the_state(
     # disk space is back: the conversation goes on, and the state meets the ceiling again
     again = session.send("And three animals?", GREEDY)
     assert again.error is None and again.reply
-    assert again.memory["state_bytes"] <= 2_000_000
+    assert again.memory.state_bytes <= 2_000_000
     session.close()
 
 

@@ -13,7 +13,13 @@ from typing import Any
 
 from kvchat.chat.settings import SamplingSettings
 from kvchat.errors import KvchatError
-from kvchat.ui.backend import LaunchOptions, ModelView, ResumedConversation, TurnView
+from kvchat.ui.backend import (
+    LaunchOptions,
+    MemorySnapshot,
+    ModelView,
+    ResumedConversation,
+    TurnView,
+)
 
 REPLY = (
     "Here is a **short** answer. KV-Direct keeps the *recent* keys and values hot and "
@@ -22,7 +28,7 @@ REPLY = (
 MIB = 1024 * 1024
 
 
-def fake_memory(tokens: int, ceiling: int | None, turns: int = 0) -> dict[str, Any]:
+def fake_memory(tokens: int, ceiling: int | None, turns: int = 0) -> MemorySnapshot:
     hot_window = 64
     hot = min(tokens, hot_window)
     ckpt = tokens - hot
@@ -33,27 +39,27 @@ def fake_memory(tokens: int, ceiling: int | None, turns: int = 0) -> dict[str, A
     state = hot_bytes + ckpt_bytes + scratch + token_bytes
     compute = 0.5 * turns + 0.01 * tokens
     recompute = 0.004 * ckpt
-    return {
-        "cache": "kvdirect",
-        "checkpoint": "residual",
-        "tokens": tokens,
-        "hot_tokens": hot,
-        "checkpointed_tokens": ckpt,
-        "hot_window": hot_window,
-        "hot_kv_bytes": hot_bytes,
-        "checkpoint_bytes": ckpt_bytes,
-        "scratch_peak_bytes": scratch,
-        "token_id_bytes": token_bytes,
-        "state_bytes": state,
-        "standard_equivalent_bytes": tokens * 23040,
-        "ceiling_bytes": ceiling,
-        "disk_bytes": 0,
-        "weights_bytes": 513 * MIB,
-        "rss_bytes": 945 * MIB,
-        "recompute_seconds": round(recompute, 4),
-        "compute_seconds": round(compute, 4),
-        "recompute_share": round(recompute / compute, 4) if compute else 0.0,
-    }
+    return MemorySnapshot(
+        cache="kvdirect",
+        checkpoint="residual",
+        tokens=tokens,
+        hot_tokens=hot,
+        checkpointed_tokens=ckpt,
+        hot_window=hot_window,
+        hot_kv_bytes=hot_bytes,
+        checkpoint_bytes=ckpt_bytes,
+        scratch_peak_bytes=scratch,
+        token_id_bytes=token_bytes,
+        state_bytes=state,
+        standard_equivalent_bytes=tokens * 23040,
+        ceiling_bytes=ceiling,
+        disk_bytes=0,
+        weights_bytes=513 * MIB,
+        rss_bytes=945 * MIB,
+        recompute_seconds=round(recompute, 4),
+        compute_seconds=round(compute, 4),
+        recompute_share=round(recompute / compute, 4) if compute else 0.0,
+    )
 
 
 CORRUPTED = (
@@ -198,7 +204,7 @@ class FakeBackend:
             save_error=self.save_error,
         )
 
-    def memory(self) -> dict[str, Any]:
+    def memory(self) -> MemorySnapshot:
         self.memory_calls += 1
         return fake_memory(self.tokens, self.launch.max_mem, self.turns)
 
@@ -224,7 +230,7 @@ class FakeBackend:
             raise KvchatError(f"no conversation {conv_id!r}; `kvchat list` shows the ids")
         resumed = self.saved[conv_id]
         if resumed.memory_history:
-            self.tokens = resumed.memory_history[-1]["tokens"]
+            self.tokens = resumed.memory_history[-1].tokens
             self.turns = len(resumed.memory_history)
         return resumed
 

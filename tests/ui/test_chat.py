@@ -52,7 +52,7 @@ async def test_enter_sends_and_the_reply_streams(make_app):
         assert reply_view.query_one(Markdown).source == REPLY
         assert app.backend.sent[0][0] == "Hello there"
         assert len(app.turn_memory) == 1
-        assert app.gauge.memory["tokens"] == app.backend.tokens
+        assert app.gauge.memory.tokens == app.backend.tokens
         assert not app.check_action("stop", ())
         assert app.backend.threads == {"kvchat-engine"}
 
@@ -85,7 +85,7 @@ async def test_gauge_updates_at_least_four_times_a_second_while_streaming(make_a
         # elapsed also covers the turn's start and end around the stream (first chunk, final
         # render): one reading's worth of slack at each end keeps a busy CI from failing it.
         assert (during + 2) / elapsed >= 4, (during, elapsed)
-        assert app.gauge.memory["tokens"] == app.backend.tokens
+        assert app.gauge.memory.tokens == app.backend.tokens
 
 
 async def test_esc_stops_the_reply_and_keeps_what_was_said(make_app):
@@ -183,12 +183,12 @@ async def test_comparison_follows_the_stream_live(make_app):
         assert isinstance(screen, MemoryScreen)
         panel = screen.query_one(ComparisonPanel)
         await wait_until(pilot, lambda: panel.live is not None)
-        live_tokens = panel.live["tokens"]
-        assert live_tokens > panel.turns[-1]["tokens"]
+        live_tokens = panel.live.tokens
+        assert live_tokens > panel.turns[-1].tokens
         await wait_until(pilot, lambda: not app.busy)
         await pilot.pause()
         assert panel.live is None and len(panel.turns) == 2
-        assert panel.turns[-1]["tokens"] >= live_tokens
+        assert panel.turns[-1].tokens >= live_tokens
 
 
 async def test_side_panel_only_on_wide_terminals(make_app):

@@ -42,7 +42,7 @@ async def test_new_starts_an_empty_conversation(make_app):
         await wait_until(pilot, lambda: app.backend.new_count == 1 and not app.turn_memory)
         await pilot.pause()
         assert texts(app) == [("note", "new conversation")]
-        assert app.gauge.memory["tokens"] == 0
+        assert app.gauge.memory.tokens == 0
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: app.backend.new_count == 2)
 
@@ -89,7 +89,7 @@ async def test_mem_opens_the_comparison(make_app):
         await command(pilot, "/mem")
         assert isinstance(app.screen, MemoryScreen)
         panel = app.screen.query_one(ComparisonPanel)
-        assert [t["tokens"] for t in panel.turns] == [t["tokens"] for t in app.turn_memory]
+        assert [t.tokens for t in panel.turns] == [t.tokens for t in app.turn_memory]
         await pilot.press("escape")
         await pilot.press("f3")
         assert isinstance(app.screen, MemoryScreen)

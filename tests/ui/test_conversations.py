@@ -33,7 +33,7 @@ async def test_list_and_resume_shows_the_history(make_app):
             ("assistant", "Rome."),
         ]
         assert app.settings.system == "Be brief."
-        assert app.gauge.memory["tokens"] == 120
+        assert app.gauge.memory.tokens == 120
         # The conversation continues from there.
         await send(pilot, "And of Spain?")
         assert len(app.turn_memory) == 3

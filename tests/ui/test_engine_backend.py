@@ -96,11 +96,11 @@ async def test_real_model_answers_in_the_app(smollm2_dir, tmp_path):
         assert reply.role == "assistant"
         assert "Paris" in reply.text
         memory = app.turn_memory[-1]
-        assert set(memory) >= MEMORY_KEYS
-        assert memory["tokens"] > 10
-        assert memory["state_bytes"] > 0 and memory["standard_equivalent_bytes"] > 0
-        assert memory["ceiling_bytes"] == 64 * 10**6
-        assert app.gauge.memory["tokens"] == memory["tokens"]
+        assert set(memory.to_dict()) >= MEMORY_KEYS
+        assert memory.tokens > 10
+        assert memory.state_bytes > 0 and memory.standard_equivalent_bytes > 0
+        assert memory.ceiling_bytes == 64 * 10**6
+        assert app.gauge.memory.tokens == memory.tokens
         assert app.gauge.weights and app.gauge.weights > 100 * 2**20
 
     backend = app.backend
@@ -114,7 +114,7 @@ async def test_real_model_answers_in_the_app(smollm2_dir, tmp_path):
         texts = [m.text for m in second.chat_log.messages()]
         assert any("capital of France" in t for t in texts)
         assert any("Paris" in t for t in texts)
-        assert second.turn_memory and second.turn_memory[-1]["tokens"] > 10
+        assert second.turn_memory and second.turn_memory[-1].tokens > 10
 
 
 @pytest.mark.slow
@@ -133,6 +133,6 @@ def test_a_conversation_that_cannot_be_opened_leaves_a_usable_session(smollm2_di
     turn = backend.send(
         "Hello?", SamplingSettings(max_new_tokens=3), on_text=None, should_stop=None
     )
-    assert turn.tokens > 0 and backend.memory()["tokens"] > 0
+    assert turn.tokens > 0 and backend.memory().tokens > 0
     assert backend.open_conversation(conv_id).messages
     backend.close()

@@ -3,6 +3,7 @@ saved, a failed /model, 80 columns, singular counts, toasts clear of the message
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -119,7 +120,9 @@ async def test_gauge_readings_never_run_together(width):
     app = One()
     async with app.run_test(size=(width, 6)) as pilot:
         gauge = app.query_one(MemoryGauge)
-        memory = fake_memory(40, 1_000_000) | {"state_bytes": 814_080, "weights_bytes": 538_000_000}
+        memory = dataclasses.replace(
+            fake_memory(40, 1_000_000), state_bytes=814_080, weights_bytes=538_000_000
+        )
         gauge.show(memory)
         await pilot.pause()
         first = gauge.render().renderables[0].plain

@@ -36,7 +36,7 @@ def test_formats():
     assert state_style(10, None) == "green"
     assert state_style(90, 100) == "yellow"
     assert state_style(101, 100) == "bold red"
-    assert per_turn([{"x": 1.0}, {"x": 3.0}, {"x": 3.5}], "x") == [1.0, 2.0, 0.5]
+    assert per_turn([1.0, 3.0, 3.5]) == [1.0, 2.0, 0.5]
 
 
 def test_slash_command_parsing():

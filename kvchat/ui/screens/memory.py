@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from kvchat.chat.memory_snapshot import MemorySnapshot
 from kvchat.ui.widgets.comparison import ComparisonPanel
 
 
 class MemoryScreen(Screen[None]):
     BINDINGS = [Binding("escape,f3,q", "app.pop_screen", "Back")]
 
-    def __init__(self, turns: list[dict[str, Any]], live: dict[str, Any] | None) -> None:
+    def __init__(self, turns: list[MemorySnapshot], live: MemorySnapshot | None) -> None:
         super().__init__()
         self._turns = turns
         self._live = live
@@ -28,5 +27,5 @@ class MemoryScreen(Screen[None]):
     def on_mount(self) -> None:
         self.update(self._turns, self._live)
 
-    def update(self, turns: list[dict[str, Any]], live: dict[str, Any] | None) -> None:
+    def update(self, turns: list[MemorySnapshot], live: MemorySnapshot | None) -> None:
         self.query_one(ComparisonPanel).set_data(turns, live)

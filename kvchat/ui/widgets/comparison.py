@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widget import Widget
 
+from kvchat.chat.memory_snapshot import MemorySnapshot
 from kvchat.ui.format import bar, fmt_bytes, fmt_ratio, sparkline
 
 LABEL_W = 10
@@ -26,11 +27,10 @@ EMPTY = (
 )
 
 
-def per_turn(turns: list[dict[str, Any]], key: str) -> list[float]:
+def per_turn(cumulative: list[float]) -> list[float]:
     """Increase of a cumulative figure over each turn."""
     out, previous = [], 0.0
-    for t in turns:
-        value = float(t.get(key, 0.0))
+    for value in map(float, cumulative):
         out.append(max(value - previous, 0.0))
         previous = value
     return out
@@ -39,17 +39,17 @@ def per_turn(turns: list[dict[str, Any]], key: str) -> list[float]:
 class ComparisonPanel(Widget):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.turns: list[dict[str, Any]] = []
-        self.live: dict[str, Any] | None = None
+        self.turns: list[MemorySnapshot] = []
+        self.live: MemorySnapshot | None = None
         self.border_title = "kvchat vs standard cache"
 
-    def set_data(self, turns: list[dict[str, Any]], live: dict[str, Any] | None = None) -> None:
+    def set_data(self, turns: list[MemorySnapshot], live: MemorySnapshot | None = None) -> None:
         self.turns = list(turns)
         self.live = live
         self.refresh()
 
     # -- rendering -------------------------------------------------------------------------
-    def _points(self) -> list[dict[str, Any]]:
+    def _points(self) -> list[MemorySnapshot]:
         return self.turns + ([self.live] if self.live is not None else [])
 
     def render(self) -> RenderableType:
@@ -90,10 +90,10 @@ class ComparisonPanel(Widget):
         line.append(f"{value:>{VALUE_W}}")
         return line
 
-    def _series(self, points: list[dict[str, Any]], width: int) -> list[Text]:
-        state = [p.get("state_bytes", 0) for p in points]
-        std = [p.get("standard_equivalent_bytes", 0) for p in points]
-        tokens = [p.get("tokens", 0) for p in points]
+    def _series(self, points: list[MemorySnapshot], width: int) -> list[Text]:
+        state = [p.state_bytes for p in points]
+        std = [p.standard_equivalent_bytes for p in points]
+        tokens = [p.tokens for p in points]
         top = max(state + std + [1])
         room, per = self._spark_width(len(points), width)
         n = room // per
@@ -105,7 +105,7 @@ class ComparisonPanel(Widget):
         live = " (live)" if self.live is not None else ""
         head = Text(f"per turn{live}, one scale", style="bold italic grey62")
         now = points[-1]
-        ratio = fmt_ratio(now.get("state_bytes", 0), now.get("standard_equivalent_bytes", 0))
+        ratio = fmt_ratio(now.state_bytes, now.standard_equivalent_bytes)
         return [
             head,
             self._row("kvchat", spark(state, top, "green"), fmt_bytes(state[-1]), width),
@@ -114,19 +114,19 @@ class ComparisonPanel(Widget):
             self._row("ratio", Text("kvchat ÷ standard", style="dim"), ratio, width),
         ]
 
-    def _breakdown(self, now: dict[str, Any], width: int) -> list[Text]:
+    def _breakdown(self, now: MemorySnapshot, width: int) -> list[Text]:
         tiers = [
-            ("hot K/V", now.get("hot_tokens", 0), now.get("hot_kv_bytes", 0), "green"),
-            ("checkpts", now.get("checkpointed_tokens", 0), now.get("checkpoint_bytes", 0), "cyan"),
-            ("on disk", None, now.get("disk_bytes", 0), "magenta"),
-            ("token ids", None, now.get("token_id_bytes", 0), "grey70"),
-            ("scratch", None, now.get("scratch_peak_bytes", 0), "yellow"),
+            ("hot K/V", now.hot_tokens, now.hot_kv_bytes, "green"),
+            ("checkpts", now.checkpointed_tokens, now.checkpoint_bytes, "cyan"),
+            ("on disk", None, now.disk_bytes, "magenta"),
+            ("token ids", None, now.token_id_bytes, "grey70"),
+            ("scratch", None, now.scratch_peak_bytes, "yellow"),
         ]
         total = max(sum(t[2] for t in tiers), 1)
         tok_w = 9
         bar_w = max(width - LABEL_W - VALUE_W - tok_w - 1, 3)
-        cache = now.get("cache") or "kvdirect"
-        hw = now.get("hot_window")
+        cache = now.cache or "kvdirect"
+        hw = now.hot_window
         window = f", hot window {hw}" if hw is not None else ""
         lines = [Text(f"kvchat state now ({cache}{window})", style="bold italic grey62")]
         for label, toks, nbytes, style in tiers:
@@ -137,19 +137,20 @@ class ComparisonPanel(Widget):
             lines.append(self._row(label, mid, fmt_bytes(nbytes), width))
         return lines
 
-    def _time(self, points: list[dict[str, Any]], width: int) -> list[Text]:
+    def _time(self, points: list[MemorySnapshot], width: int) -> list[Text]:
         now = points[-1]
-        compute = now.get("compute_seconds", 0.0)
-        recompute = now.get("recompute_seconds", 0.0)
+        compute = now.compute_seconds
+        recompute = now.recompute_seconds
         shares = [
             r / c if c else 0.0
             for r, c in zip(
-                per_turn(points, "recompute_seconds"), per_turn(points, "compute_seconds")
+                per_turn([p.recompute_seconds for p in points]),
+                per_turn([p.compute_seconds for p in points]),
             )
         ]
         room, per = self._spark_width(len(points), width)
         spark = Text("".join(c * per for c in sparkline(shares, 1.0, room // per)), style="yellow")
-        share = f"{100 * now.get('recompute_share', 0.0):.0f}%"
+        share = f"{100 * now.recompute_share:.0f}%"
         return [
             Text("time spent recomputing K/V, per turn", style="bold italic grey62"),
             self._row("recompute", spark, share, width),
@@ -178,15 +179,15 @@ class ComparisonPanel(Widget):
         table.add_row(*(Text(h, style="bold underline") for h in header))
         first = max(len(self.turns) - (rows - 1), 0)
         for i, t in enumerate(self.turns[first:], start=first + 1):
-            state, std = t.get("state_bytes", 0), t.get("standard_equivalent_bytes", 0)
+            state, std = t.state_bytes, t.standard_equivalent_bytes
             row = [
                 str(i),
-                str(t.get("tokens", 0)),
+                str(t.tokens),
                 fmt_bytes(state),
                 fmt_bytes(std),
                 fmt_ratio(state, std),
             ]
             if wide:
-                row += [str(t.get("hot_tokens", 0)), str(t.get("checkpointed_tokens", 0))]
+                row += [str(t.hot_tokens), str(t.checkpointed_tokens)]
             table.add_row(*row)
         return table

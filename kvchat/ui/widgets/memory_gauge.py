@@ -16,6 +16,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from kvchat.chat.memory_snapshot import MemorySnapshot
 from kvchat.ui.format import bar, count, fmt_bytes, fmt_ratio
 
 LABEL_W = 9
@@ -35,7 +36,7 @@ def state_style(state: int, ceiling: int | None) -> str:
 
 
 class MemoryGauge(Widget):
-    memory: reactive[dict[str, Any] | None] = reactive(None, always_update=True, layout=False)
+    memory: reactive[MemorySnapshot | None] = reactive(None, always_update=True, layout=False)
     rss: reactive[int | None] = reactive(None)
     live: reactive[bool] = reactive(False)
 
@@ -46,13 +47,13 @@ class MemoryGauge(Widget):
         self.updates = 0  # how many snapshots it has shown (the tests count them)
         self.border_title = "memory"
 
-    def show(self, memory: dict[str, Any]) -> None:
+    def show(self, memory: MemorySnapshot) -> None:
         self.updates += 1
-        if memory.get("rss_bytes") is not None:
-            self.rss = memory["rss_bytes"]
-        if memory.get("weights_bytes"):
-            self.weights = memory["weights_bytes"]
-        self.memory = dict(memory)
+        if memory.rss_bytes is not None:
+            self.rss = memory.rss_bytes
+        if memory.weights_bytes:
+            self.weights = memory.weights_bytes
+        self.memory = memory
 
     def watch_live(self, live: bool) -> None:
         self.border_title = "memory · live" if live else "memory"
@@ -63,12 +64,13 @@ class MemoryGauge(Widget):
         self.memory = None
 
     def render(self) -> Group:
-        mem = self.memory or {}
+        # Before the first reading: zeros against the launch ceiling.
+        mem = self.memory or MemorySnapshot(ceiling_bytes=self.ceiling)
         width = max(self.content_region.width, 20)
-        ceiling = mem.get("ceiling_bytes", self.ceiling)
-        state = mem.get("state_bytes", 0)
-        standard = mem.get("standard_equivalent_bytes", 0)
-        weights = mem.get("weights_bytes") or self.weights
+        ceiling = mem.ceiling_bytes
+        state = mem.state_bytes
+        standard = mem.standard_equivalent_bytes
+        weights = mem.weights_bytes or self.weights
         rss = self.rss
 
         state_val = fmt_bytes(state) + (f" / {fmt_bytes(ceiling)}" if ceiling else "")
@@ -100,12 +102,12 @@ class MemoryGauge(Widget):
                 line.append(" " * GAP + f"{side_text:>{side_w}}", style="dim")
             lines.append(line)
 
-        tokens = mem.get("tokens", 0)
+        tokens = mem.tokens
         info = (
-            f"{count(tokens, 'token')}: {mem.get('hot_tokens', 0)} hot · "
-            f"{mem.get('checkpointed_tokens', 0)} checkpointed · "
-            f"{fmt_bytes(mem.get('disk_bytes', 0))} disk · "
-            f"recompute {100 * mem.get('recompute_share', 0.0):.0f}%"
+            f"{count(tokens, 'token')}: {mem.hot_tokens} hot · "
+            f"{mem.checkpointed_tokens} checkpointed · "
+            f"{fmt_bytes(mem.disk_bytes)} disk · "
+            f"recompute {100 * mem.recompute_share:.0f}%"
         )
         if standard:
             info += f" · {fmt_ratio(state, standard)} std"
