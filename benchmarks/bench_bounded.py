@@ -78,8 +78,8 @@ def decode_pair(loaded: Any, base: Any, bounded: Any, token: int, steps: int, co
 
 
 def smollm2_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from kvchat.engine.conversation import open_session
-    from kvchat.engine.settings import CacheSettings, SamplingSettings
+    from kvchat.chat.conversation import open_session
+    from kvchat.chat.settings import CacheSettings, SamplingSettings
 
     loaded = common.load_model(args.model, "float32")
     rows = []
@@ -134,10 +134,15 @@ def gemma_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from kvchat.engine.footprint import bundled_config_dict, config_from_dict, footprint_from_config
-    from kvchat.engine.generate import prefill
-    from kvchat.engine.session import ChatSession, LoadedModel
-    from kvchat.engine.settings import CacheSettings
+    from kvchat.chat.generate import prefill
+    from kvchat.chat.session import ChatSession
+    from kvchat.chat.settings import CacheSettings
+    from kvchat.kvdirect.footprint import (
+        bundled_config_dict,
+        config_from_dict,
+        footprint_from_config,
+    )
+    from kvchat.models.loaded import LoadedModel
 
     config = config_from_dict(bundled_config_dict("gemma-3-4b")).get_text_config()
     harness.say("building a Gemma-3-4B-shaped model with random bf16 weights")

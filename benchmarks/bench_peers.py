@@ -76,10 +76,10 @@ def rss_bytes() -> int:
 
 
 def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
-    from kvchat.engine.generate import generate
-    from kvchat.engine.loader import load
-    from kvchat.engine.session import ChatSession
-    from kvchat.engine.settings import SamplingSettings
+    from kvchat.chat.generate import generate
+    from kvchat.chat.session import ChatSession
+    from kvchat.chat.settings import SamplingSettings
+    from kvchat.models.load import load
 
     loaded = load(
         args.model_dir, device="cpu", dtype=spec["dtype"], weights=spec["weights"],
@@ -110,7 +110,7 @@ def measure_hf(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import DynamicCache, LogitsProcessorList
 
-    from kvchat.engine.loader import load
+    from kvchat.models.load import load
 
     loaded = load(args.model_dir, device="cpu", dtype="float32", weights="none",
                   threads=args.threads)  # fmt: skip
@@ -240,14 +240,14 @@ def main() -> None:
     parser.add_argument("--json", default="results/bench_peers.json")
     args = parser.parse_args()
     if args.threads is None:
-        from kvchat.engine.threads import default_threads
+        from kvchat.models.threads import default_threads
 
         args.threads = default_threads()
     if args.one:
         one(args)
         return
 
-    from kvchat.engine.models import resolve_model
+    from kvchat.models.resolve import resolve_model
 
     wall = harness.stopwatch()
     args.model_dir = str(resolve_model(args.model).path)

@@ -55,8 +55,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32") -> Any:
     """The model as the engine holds it (``LoadedModel``), on CPU, with quiet transformers."""
     from transformers.utils import logging as hf_logging
 
-    from kvchat.engine.loader import load
-    from kvchat.engine.models import resolve_model
+    from kvchat.models.load import load
+    from kvchat.models.resolve import resolve_model
 
     hf_logging.set_verbosity_error()
     path = resolve_model(spec).path
@@ -79,8 +79,8 @@ def stamped_generate(
     to the next, i.e. one step = argmax + forward. ``at_decode`` runs once, right before the
     first decode forward call (to read counters the prefill left).
     """
-    from kvchat.engine.generate import generate
-    from kvchat.engine.settings import SamplingSettings
+    from kvchat.chat.generate import generate
+    from kvchat.chat.settings import SamplingSettings
 
     n_prefill_calls = -(-len(prompt) // chunk)
     calls: list[float] = []
@@ -108,12 +108,12 @@ def stamped_generate(
 def timed_step(loaded: Any, session: Any, token: int) -> tuple[int, float]:
     """Feed ``token`` to ``session``'s cache as the decode loop does: (next greedy token, s).
 
-    The time is one decode step: the forward call (``kvchat.engine.generate.forward``, with
+    The time is one decode step: the forward call (``kvchat.chat.generate.forward``, with
     the session's ``before_forward``) and the argmax. Call under ``torch.inference_mode``.
     """
     import torch
 
-    from kvchat.engine.generate import forward
+    from kvchat.chat.generate import forward
 
     t0 = time.perf_counter()
     logits = forward(loaded.model, session.cache, [token], loaded.device, session.before_forward)

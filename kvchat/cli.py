@@ -14,30 +14,19 @@ cleanup (spill files removed, locks released).
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import click
 
+from kvchat.commands.terminal import fail
 from kvchat.errors import KvchatError
-
-if TYPE_CHECKING:
-    from kvchat.engine.footprint import ModelFootprint
-    from kvchat.engine.session import ChatSession, LoadedModel, TurnResult
-    from kvchat.engine.settings import CacheSettings, SamplingSettings
-    from kvchat.storage import ConversationStore
 
 DEVICES = ["auto", "cpu", "cuda", "mps"]
 DTYPES = ["float32", "bfloat16", "float16", "auto"]
 
-EXIT_ERROR = 1
-EXIT_NOT_SAVED = 3
-EXIT_INTERRUPTED = 130
 # Sizes outside these are typos ("64" for 64MB), not machines; ceilings inside them that are
 # still too small for the model are refused by the planner, with its numbers.
 MIN_MAX_MEM = 64 * 1024
@@ -45,7 +34,7 @@ MAX_MAX_MEM = 2**50  # 1 PiB
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    from kvchat.engine.planner import human_bytes, parse_size
+    from kvchat.kvdirect.planner import human_bytes, parse_size
 
     try:
         size = parse_size(value)
@@ -86,83 +75,6 @@ def _top_p(ctx: click.Context, param: click.Parameter, value: float) -> float:
     return value
 
 
-def _fail(exc: BaseException) -> None:
-    _end_stdout_line()
-    click.echo(f"kvchat: error: {exc}", err=True)
-    sys.exit(EXIT_ERROR)
-
-
-class _Stdout:
-    """Whether the reply streamed to stdout ended its line, so a note on stderr that shares
-    the terminal starts on a line of its own ("Paris.\nkvchat: saving as ...")."""
-
-    at_line_start = True
-
-
-def _stream_to_stdout(text: str) -> None:
-    if not text:
-        return
-    sys.stdout.write(text)
-    sys.stdout.flush()
-    _Stdout.at_line_start = text.endswith("\n")
-
-
-def _end_stdout_line() -> None:
-    if not _Stdout.at_line_start:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        _Stdout.at_line_start = True
-
-
-def _note(message: str) -> None:
-    """One ``kvchat: ...`` line on stderr, never glued to a half-printed reply."""
-    _end_stdout_line()
-    click.echo(f"kvchat: {message}", err=True)
-
-
-PROGRESS_MIN_TOKENS = 1024  # prompts shorter than this read in about a second: no bar
-
-
-class _PrefillProgress:
-    """A progress bar on stderr while a long prompt is read (prefill): redrawn in place on
-    a terminal, a line per quarter otherwise (logs stay readable)."""
-
-    def __init__(self) -> None:
-        self.shown = -1
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, done: int, total: int) -> None:
-        if total < PROGRESS_MIN_TOKENS:
-            return
-        pct = 100 * done // total
-        if self.tty:
-            bar = "#" * (pct // 5)
-            sys.stderr.write(f"\rkvchat: reading the prompt [{bar:<20}] {done}/{total} tokens")
-            if done >= total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-        elif pct // 25 > self.shown:
-            self.shown = pct // 25
-            _note(f"reading the prompt: {done}/{total} tokens ({pct}%)")
-
-
-@contextlib.contextmanager
-def _exit_on_termination() -> Iterator[None]:
-    """SIGTERM and SIGHUP (``timeout``, a closed terminal) become ``SystemExit(128+N)``, so
-    the ``finally`` blocks and atexit hooks run: spill files removed, locks released."""
-
-    def handle(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    wanted = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    previous = {sig: signal.signal(sig, handle) for sig in wanted}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def model_options(fn: Callable) -> Callable:
     """Options shared by every command that loads a model."""
     options = [
@@ -187,51 +99,6 @@ data_dir_option = click.option(
     default=None,
     help="Conversation store (default: $KVCHAT_DATA_DIR or the XDG data dir).",
 )
-
-
-def _check_conversation(opts: dict[str, Any]) -> None:
-    """Resolve ``opts["conversation_id"]`` and refuse one that is missing or open elsewhere,
-    before any weights are loaded (exits with one line)."""
-    if not opts.get("conversation_id"):
-        return
-    try:
-        opts["conversation_id"] = _store(opts).check_not_open(opts["conversation_id"])
-    except KvchatError as exc:
-        _fail(exc)
-
-
-def _store(opts: dict[str, Any]) -> ConversationStore:
-    from kvchat.paths import data_dir
-    from kvchat.storage import ConversationStore
-
-    return ConversationStore(data_dir(opts.get("data_dir")))
-
-
-def _load(opts: dict[str, Any], quiet: bool = False) -> LoadedModel:
-    from kvchat.engine.loader import load
-    from kvchat.engine.models import DEFAULT_MODEL
-
-    say = (lambda _m: None) if quiet else _note
-    return load(
-        opts["model"] or DEFAULT_MODEL,
-        device=opts["device"],
-        dtype=opts["dtype"],
-        weights=opts["weights"],
-        threads=opts.get("threads"),
-        progress=say,
-    )
-
-
-def _cache_settings(opts: dict[str, Any]) -> CacheSettings:
-    from kvchat.engine.settings import CacheSettings
-
-    return CacheSettings(
-        kind=opts["cache_kind"],
-        max_mem=opts["max_mem"],
-        hot_window=opts["hot_window"],
-        checkpoint=opts["checkpoint"],
-        prefill_chunk=opts["prefill_chunk"],
-    )
 
 
 @click.group(invoke_without_command=True)
@@ -261,25 +128,6 @@ def _run_app(opts: dict[str, Any]) -> None:
     code = run_app(opts)
     if code:
         sys.exit(code)
-
-
-class _CancelOnSigint:
-    """First Ctrl-C ends the reply cleanly; a second one interrupts for real."""
-
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def __enter__(self) -> _CancelOnSigint:
-        self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.cancelled:
-            raise KeyboardInterrupt
-        self.cancelled = True
-
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._previous)
 
 
 @cli.command()
@@ -317,26 +165,9 @@ def run(**opts: Any) -> None:
     Exit status: 0 done, 1 error, 2 usage error, 3 a turn could not be saved, 130 Ctrl-C,
     143/129 SIGTERM/SIGHUP (see README, "The headless contract").
     """
-    from kvchat.engine.settings import SamplingSettings
+    from kvchat.commands.run import run_prompts
 
-    prompts = _read_prompts(opts)
-    sampling = SamplingSettings(
-        temperature=opts["temperature"],
-        top_p=opts["top_p"],
-        seed=opts["seed"],
-        max_new_tokens=opts["max_new_tokens"],
-    )
-    _check_conversation(opts)  # fail fast, before loading any weights
-    with _exit_on_termination():
-        session = _open_run_session(opts)
-        try:
-            code = _answer(session, prompts, sampling, opts["as_json"])
-        except KvchatError as exc:
-            _fail(exc)
-        finally:
-            session.close()
-    if code:
-        sys.exit(code)
+    run_prompts(opts, _read_prompts(opts))
 
 
 def _read_prompts(opts: dict[str, Any]) -> list[str]:
@@ -368,137 +199,13 @@ def _read_prompts(opts: dict[str, Any]) -> list[str]:
     return prompts
 
 
-def _open_run_session(opts: dict[str, Any]) -> ChatSession:
-    """Load the model and open the conversation; Ctrl-C here exits 130, errors exit 1."""
-    as_json = opts["as_json"]
-    try:
-        loaded = _load(opts, quiet=as_json)
-        from kvchat.engine.conversation import open_session
-
-        if not loaded.has_chat_template:
-            _note(
-                f"{loaded.name} is a base model (no chat template): plain completion, each "
-                "prompt is continued as written"
-            )
-        return open_session(
-            loaded,
-            data_dir=opts["data_dir"],
-            cache=_cache_settings(opts),
-            system=opts["system"],
-            conversation_id=opts["conversation_id"],
-            save=not opts["no_save"],
-            say=(lambda _m: None) if as_json else _note,
-        )
-    except KeyboardInterrupt:
-        _note("interrupted before the first reply; nothing was saved")
-        sys.exit(EXIT_INTERRUPTED)
-    except KvchatError as exc:
-        _fail(exc)
-
-
-def _answer(
-    session: ChatSession, prompts: list[str], sampling: SamplingSettings, as_json: bool
-) -> int:
-    """Answer each prompt in turn; returns the exit status."""
-    from kvchat.engine.memory import format_memory_line
-
-    unsaved: list[int] = []  # turns answered but not on disk (a later save retries them)
-    code = 0
-    for turn, prompt in enumerate(prompts, start=1):
-        try:
-            with _CancelOnSigint() as sigint:
-                result = session.send(
-                    prompt,
-                    sampling,
-                    on_text=None if as_json else _stream_to_stdout,
-                    should_stop=lambda: sigint.cancelled,
-                    on_progress=_PrefillProgress(),
-                )
-        except KeyboardInterrupt:
-            _note(f"interrupted; {_saved_note(session)}")
-            return EXIT_INTERRUPTED
-        if as_json:
-            conversation_id = session.conversation.id if session.conversation else None
-            click.echo(json.dumps(_turn_json(turn, prompt, result, conversation_id)))
-        else:
-            if result.cancelled:
-                _stream_to_stdout(" [stopped]")
-            _end_stdout_line()
-            click.echo(format_memory_line(result.memory), err=True)
-        if result.save_error:
-            unsaved.append(turn)
-            _note(f"saving failed: {result.save_error}")
-        else:
-            unsaved = []  # a successful save writes every turn still pending
-            if result.error:
-                _note(f"reply ended early: {result.error}")
-        # A Ctrl-C that landed after the reply (while saving) still means stop.
-        if result.cancelled or sigint.cancelled:
-            code = EXIT_INTERRUPTED
-            break
-    if unsaved:
-        _note(
-            f"error: {_turns(unsaved)} not saved; the replies above are all there is of "
-            "them. Free disk space or fix the permissions of the data dir (or pass "
-            "--data-dir DIR), then run again"
-        )
-        return code or EXIT_NOT_SAVED
-    return code
-
-
-def _turns(numbers: list[int]) -> str:
-    if len(numbers) == 1:
-        return f"turn {numbers[0]} is"
-    return f"turns {numbers[0]}-{numbers[-1]} are"
-
-
-def _saved_note(session: ChatSession) -> str:
-    conversation = session.conversation
-    if conversation is None:
-        return "nothing was saved"
-    turns = len(conversation.manifest.turns)
-    return (
-        f"conversation {conversation.id} keeps its {turns} saved turn(s); the turn in progress "
-        f"was not saved (resume with `kvchat resume {conversation.id}`)"
-    )
-
-
-def _turn_json(
-    turn: int, prompt: str, result: TurnResult, conversation: str | None
-) -> dict[str, Any]:
-    return {
-        "conversation": conversation,
-        "turn": turn,
-        "prompt": prompt,
-        "reply": result.reply,
-        "tokens": result.tokens,
-        "finish_reason": result.finish_reason,
-        "error": result.error,
-        "saved": conversation is not None and not result.save_error,
-        "prompt_tokens": result.prompt_tokens,
-        "prefill_seconds": round(result.prefill_seconds, 4),
-        "decode_seconds": round(result.decode_seconds, 4),
-        "decode_tokens_per_second": round(result.decode_tokens_per_second, 2),
-        "memory": result.memory.to_dict(),
-    }
-
-
 @cli.command()
 @click.option("--json", "as_json", is_flag=True)
 def models(as_json: bool) -> None:
     """List model aliases and which are available locally."""
-    from kvchat.engine.models import list_models
+    from kvchat.commands.inspect import show_models
 
-    rows = list_models()
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-        return
-    click.echo(f"{'alias':<14} {'local':<6} {'repo':<38} description")
-    for row in rows:
-        local = "yes" if row.get("available") else "no"
-        click.echo(
-            f"{row['alias']:<14} {local:<6} {row['repo_id']:<38} {row.get('description', '')}"
-        )
+    show_models(as_json)
 
 
 @cli.command()
@@ -526,72 +233,14 @@ def inspect(
     model: str, dtype: str, n_tokens: int, as_json: bool, show_costs: bool, data_dir: str | None
 ) -> None:
     """Bytes per token per layer: K/V, residual checkpoint, standard-cache equivalent."""
-    from kvchat.engine.footprint import dtype_itemsize, footprint_from_config, load_config
-    from kvchat.engine.inspect_report import inspect_as_dict, render_inspect
+    from kvchat.commands.inspect import show_inspect
+    from kvchat.kvdirect.footprint import dtype_itemsize
 
     try:
         dtype_itemsize(dtype)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="'--dtype'") from None
-    try:
-        fp = footprint_from_config(load_config(model), dtype)
-    except KvchatError as exc:
-        _fail(exc)
-    costs = None
-    if show_costs:
-        costs = _measured_costs(fp, dtype, data_dir)
-    if as_json:
-        report = inspect_as_dict(fp, n_tokens)
-        if costs is not None:
-            report["costs"] = costs
-        click.echo(json.dumps(report, indent=2))
-    else:
-        click.echo(render_inspect(fp, n_tokens))
-        if costs is not None:
-            click.echo(_render_costs(costs))
-
-
-def _measured_costs(fp: ModelFootprint, dtype: str, data_dir: str | None) -> dict[str, Any]:
-    """Read and recompute costs on this CPU and the data dir's disk (cached after once)."""
-    from dataclasses import asdict
-
-    import torch
-
-    from kvchat.engine.costs import device_costs
-    from kvchat.paths import data_dir as resolve_data_dir
-
-    dt = "float32" if dtype == "auto" else dtype
-    costs = device_costs(fp, torch.device("cpu"), dt, resolve_data_dir(data_dir))
-    from kvchat.engine.costs import shape_key
-
-    layer = fp.layers[0]
-    shapes = {shape_key(x) for x in fp.layers}
-    report = asdict(costs)
-    report["recompute_rows_per_s"] = {
-        k: v for k, v in report["recompute_rows_per_s"].items() if k in shapes
-    }
-    return {
-        **report,
-        "per_cold_token_step_seconds": {
-            form: costs.step_cost(layer, form) for form in ("kv", "residual")
-        },
-        "auto_chooses": sorted({costs.cheaper_form(x) for x in fp.layers}),
-    }
-
-
-def _render_costs(costs: dict[str, Any]) -> str:
-    step = costs["per_cold_token_step_seconds"]
-    rates = "; ".join(
-        f"{shape}: {r['1']:.0f} rows/s one by one, {r['256']:.0f} rows/s in 256-row calls"
-        for shape, r in costs["recompute_rows_per_s"].items()
-    )
-    return (
-        f"\nMeasured on this machine ({costs['device']}, {costs['dtype']}): memory read "
-        f"{costs['memory_read_gbps']:.1f} GB/s, data-dir disk {costs['disk_warm_read_gbps']:.1f} "
-        f"GB/s warm / {costs['disk_cold_read_gbps']:.2f} GB/s cold; recompute {rates}.\n"
-        f"Bringing one cold token back per step: K/V {1e6 * step['kv']:.2f} us, residual "
-        f"{1e6 * step['residual']:.2f} us -> --checkpoint auto picks {', '.join(costs['auto_chooses'])}."
-    )
+    show_inspect(model, dtype, n_tokens, as_json, show_costs, data_dir)
 
 
 @cli.command(name="list")
@@ -599,55 +248,9 @@ def _render_costs(costs: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True)
 def list_conversations(data_dir: str | None, as_json: bool) -> None:
     """Saved conversations (id, title, model, turns, tokens, disk, last use) and spill files."""
-    from dataclasses import asdict
+    from kvchat.commands.store_commands import show_conversations
 
-    from kvchat.engine.planner import human_bytes
-    from kvchat.paths import data_dir as resolve_data_dir
-    from kvchat.storage import ConversationStore
-    from kvchat.storage.spill import spill_folders, spill_root
-    from kvchat.storage.text import safe_terminal_text
-
-    root = resolve_data_dir(data_dir)
-    try:
-        rows = ConversationStore(root).list()
-    except KvchatError as exc:
-        _fail(exc)
-    spill = spill_folders(root)
-    spill_bytes = sum(f.nbytes for f in spill)
-    stale_bytes = sum(f.nbytes for f in spill if f.stale)
-    if as_json:
-        doc = {
-            "conversations": [asdict(r) for r in rows],
-            "spill": {
-                "folder": str(spill_root(root)),
-                "bytes": spill_bytes,
-                "stale_bytes": stale_bytes,
-            },
-        }
-        click.echo(json.dumps(doc, indent=2, default=str))  # ASCII-only: no raw controls
-        return
-    if not rows:
-        click.echo("no saved conversations")
-    else:
-        click.echo(
-            f"{'id':<21} {'model':<16} {'turns':>5} {'tokens':>7} {'disk':>10}  last used            title"
-        )
-    for r in rows:
-        # Titles, model names and errors come from files anyone can edit: never raw escapes.
-        title = safe_terminal_text(r.error and f"[{r.error}]" or r.title, multiline=False)
-        model = safe_terminal_text(str(r.model), multiline=False)[:16]
-        click.echo(
-            f"{r.id:<21} {model:<16} {r.turns:>5} {r.tokens:>7} "
-            f"{human_bytes(r.bytes_on_disk):>10}  {str(r.last_used)[:19]:<20} {title}"
-        )
-    if spill_bytes:
-        line = f"spill files: {human_bytes(spill_bytes)} in {spill_root(root)}"
-        if stale_bytes:
-            line += (
-                f", {human_bytes(stale_bytes)} of it left by kvchat processes that are gone "
-                "(`kvchat gc` frees it)"
-            )
-        click.echo(line)
+    show_conversations(data_dir, as_json)
 
 
 @cli.command()
@@ -658,45 +261,9 @@ def list_conversations(data_dir: str | None, as_json: bool) -> None:
 @data_dir_option
 def delete(conversation_id: str, yes: bool, data_dir: str | None) -> None:
     """Delete a saved conversation and its residual files (asks first on a terminal)."""
-    from kvchat.engine.planner import human_bytes
-    from kvchat.storage.text import safe_terminal_text
+    from kvchat.commands.store_commands import delete_conversation
 
-    store = _store({"data_dir": data_dir})
-    try:
-        full = store.resolve(conversation_id)
-        if not yes and full != conversation_id:
-            # A prefix once deleted "c-bitflip" for `delete c-bi`: it must be spelled out.
-            _fail(
-                KvchatError(
-                    f"{conversation_id!r} is only the start of the id {full}; "
-                    f"run `kvchat delete {full}`, or add --yes to delete it by prefix"
-                )
-            )
-        if not yes and sys.stdin.isatty():
-            row = store.summary(full)
-            what = safe_terminal_text(row.title or row.error or "untitled", multiline=False)
-            question = (
-                f"delete conversation {full} ({what[:60]}; {row.turns} turn(s), "
-                f"{human_bytes(row.bytes_on_disk)})?"
-            )
-            try:
-                confirmed = click.confirm(question, default=False, err=True)
-            except click.Abort:
-                confirmed = False
-            if not confirmed:
-                click.echo("kvchat: nothing deleted", err=True)
-                sys.exit(1)
-        outcome = store.delete(full)
-    except KvchatError as exc:
-        _fail(exc)
-    if outcome.link_only:
-        click.echo(
-            f"removed the link {full} (kvchat never follows links: what it pointed to is untouched)"
-        )
-    elif outcome.leftover is not None:
-        click.echo(f"deleted {full} (some files remain in {outcome.leftover}; `kvchat gc` retries)")
-    else:
-        click.echo(f"deleted {full}")
+    delete_conversation(conversation_id, yes, data_dir)
 
 
 @cli.command()
@@ -705,10 +272,9 @@ def delete(conversation_id: str, yes: bool, data_dir: str | None) -> None:
 @data_dir_option
 def export(conversation_id: str, fmt: str, data_dir: str | None) -> None:
     """Print a conversation's messages as Markdown or JSON (control characters escaped)."""
-    try:
-        click.echo(_store({"data_dir": data_dir}).export(conversation_id, fmt))
-    except KvchatError as exc:
-        _fail(exc)
+    from kvchat.commands.store_commands import export_conversation
+
+    export_conversation(conversation_id, fmt, data_dir)
 
 
 @cli.command()
@@ -717,42 +283,9 @@ def export(conversation_id: str, fmt: str, data_dir: str | None) -> None:
 def gc(data_dir: str | None, as_json: bool) -> None:
     """Free disk space: spill files of kvchat processes that are gone, and leftovers of
     interrupted deletes. Never touches a running session or a saved conversation."""
-    from pathlib import Path
+    from kvchat.commands.store_commands import collect_garbage
 
-    from kvchat.engine.planner import human_bytes
-    from kvchat.paths import data_dir as resolve_data_dir
-    from kvchat.storage import ConversationStore
-    from kvchat.storage.spill import spill_usage, sweep_stale_spill
-
-    root = resolve_data_dir(data_dir)
-    if Path(root).exists() and not Path(root).is_dir():
-        _fail(KvchatError(f"{root} is not a folder; pass --data-dir a kvchat data folder"))
-    try:
-        spill_freed = sweep_stale_spill(root)
-        leftovers_freed = ConversationStore(root).sweep_leftovers()
-    except KvchatError as exc:
-        _fail(exc)
-    in_use = spill_usage(root)
-    if as_json:
-        doc = {
-            "freed_bytes": spill_freed + leftovers_freed,
-            "spill_freed_bytes": spill_freed,
-            "leftovers_freed_bytes": leftovers_freed,
-            "spill_in_use_bytes": in_use,
-        }
-        click.echo(json.dumps(doc, indent=2))
-        return
-    if spill_freed or leftovers_freed:
-        parts = []
-        if spill_freed:
-            parts.append(f"{human_bytes(spill_freed)} of spill files of processes that are gone")
-        if leftovers_freed:
-            parts.append(f"{human_bytes(leftovers_freed)} left by interrupted deletes and creates")
-        click.echo(f"freed {human_bytes(spill_freed + leftovers_freed)}: {'; '.join(parts)}")
-    else:
-        click.echo("nothing to free")
-    if in_use:
-        click.echo(f"kept {human_bytes(in_use)} of spill files still in use")
+    collect_garbage(data_dir, as_json)
 
 
 @cli.command()
@@ -778,8 +311,10 @@ def resume(ctx: click.Context, conversation_id: str, **opts: Any) -> None:
             **opts,
         )
         return
+    from kvchat.commands.store_commands import check_conversation
+
     app_opts = {**opts, "system": None, "conversation_id": conversation_id}
-    _check_conversation(app_opts)  # a bad id fails here, not after the model loads
+    check_conversation(app_opts)  # a bad id fails here, not after the model loads
     _run_app(app_opts)
 
 
@@ -801,59 +336,9 @@ def resume(ctx: click.Context, conversation_id: str, **opts: Any) -> None:
 @data_dir_option
 def repair(conversation_id: str, **opts: Any) -> None:  # fmt: skip
     """Rebuild a conversation's damaged segments from its saved token ids, exactly."""
-    from kvchat.engine.repair import damaged_turns
-    from kvchat.engine.repair import repair as rebuild
+    from kvchat.commands.repair import repair_conversation
 
-    store = _store(opts)
-    try:
-        cid = store.check_not_open(conversation_id)
-        with store.open(cid) as conversation:  # which model, before loading one
-            manifest = conversation.manifest
-            if not damaged_turns(conversation):
-                click.echo(f"conversation {cid} has no damaged segment; nothing to repair")
-                return
-        loaded = _load(
-            {
-                **opts,
-                "model": opts["model"] or manifest.model.name,
-                "dtype": manifest.model.dtype,
-                "weights": manifest.settings.get("weights", "auto"),
-            }
-        )
-        with (
-            _exit_on_termination(),
-            store.open(
-                cid,
-                fingerprint=loaded.fingerprint,
-                dtype=loaded.dtype,
-                model_name=loaded.name,
-                weights=loaded.weights_mode,
-            ) as conversation,
-        ):
-            turns = damaged_turns(conversation)
-            _note(f"rebuilding {_numbered('turn', turns)} of {cid} from its token ids")
-            outcome = rebuild(
-                loaded,
-                conversation,
-                spill_root=store.root,
-                on_turn=lambda done, total: _note(f"replayed turn {done} of {total}"),
-            )
-    except KeyboardInterrupt:
-        _note("interrupted; nothing was changed")
-        sys.exit(EXIT_INTERRUPTED)
-    except KvchatError as exc:
-        _fail(exc)
-    checked = ""
-    if outcome.verified:
-        checked = f"; checked against the intact {_numbered('turn', outcome.verified)}: identical"
-    click.echo(
-        f"repaired conversation {cid}: rebuilt {_numbered('turn', outcome.rebuilt)}{checked}"
-    )
-
-
-def _numbered(noun: str, numbers: Sequence[int]) -> str:
-    """``turn 2``, ``turns 1, 3``."""
-    return f"{noun}{'s' if len(numbers) > 1 else ''} {', '.join(str(n) for n in numbers)}"
+    repair_conversation(conversation_id, opts)
 
 
 @cli.command()
@@ -874,17 +359,18 @@ def _numbered(noun: str, numbers: Sequence[int]) -> str:
 @data_dir_option
 def serve(**opts: Any) -> None:
     """Serve an OpenAI-compatible API whose conversations continue from their saved files."""
+    from kvchat.commands.run import cache_settings, load_from_options
     from kvchat.paths import data_dir
     from kvchat.serve.auth import check_bind
 
     try:
         check_bind(opts["host"], opts["api_key"])  # before spending seconds on the model
-        loaded = _load(opts)
+        loaded = load_from_options(opts)
         from kvchat.serve.server import serve as run_server
 
         run_server(
             loaded,
-            cache=_cache_settings(opts),
+            cache=cache_settings(opts),
             data_dir=data_dir(opts["data_dir"]),
             host=opts["host"],
             port=opts["port"],
@@ -892,7 +378,7 @@ def serve(**opts: Any) -> None:
             say=lambda m: click.echo(f"kvchat: {m}", err=True),
         )
     except KvchatError as exc:
-        _fail(exc)
+        fail(exc)
 
 
 def _lab_command(kind: str, help_text: str) -> None:
@@ -913,34 +399,9 @@ def _lab_command(kind: str, help_text: str) -> None:
         help="Run just these experiments (repeatable).",
     )
     def command(quick: bool, out_dir: str | None, device: str, only: tuple[str, ...]) -> None:
-        from pathlib import Path
+        from kvchat.commands.lab import run_lab
 
-        from kvchat.lab.context import LabContext
-        from kvchat.lab.runner import run_suite
-        from kvchat.lab.suites import experiments
-
-        results = Path(out_dir or f"results/{kind}")
-        ctx = LabContext(
-            results_dir=results, quick=quick, device=device, say=lambda m: click.echo(m, err=True)
-        )
-        argv = " ".join(["kvchat", kind, *sys.argv[2:]])
-        try:
-            with _exit_on_termination():  # atexit hooks and finally blocks still run
-                sections, paths = run_suite(kind, ctx, experiments(kind, only), command=argv)
-        except KvchatError as exc:
-            _fail(exc)
-        failed = [c for s in sections for c in s.claims if c.held is False]
-        errors = [s.key for s in sections if s.error]
-        click.echo(f"report: {paths['markdown']}  data: {paths['json']}")
-        click.echo(
-            f"{sum(len(s.claims) for s in sections)} claims checked, {len(failed)} did not hold"
-        )
-        if errors:
-            click.echo(
-                f"kvchat: error: experiments failed: {', '.join(errors)} (see {paths['markdown']})",
-                err=True,
-            )
-            sys.exit(1)
+        run_lab(kind, quick, out_dir, device, only)
 
 
 _lab_command(
@@ -953,9 +414,9 @@ _lab_command(
 
 
 def main() -> None:
-    from kvchat.engine.threads import prefer_passive_wait
+    from kvchat.models.threads import prefer_passive_wait
 
-    prefer_passive_wait()  # before anything imports torch: see kvchat.engine.threads
+    prefer_passive_wait()  # before anything imports torch: see kvchat.models.threads
     cli(prog_name="kvchat")
 
 

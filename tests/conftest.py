@@ -15,7 +15,7 @@ import pytest
 
 # Before any test imports torch (libgomp reads it once): OpenMP threads that wait passively,
 # so a suite sharing the machine with other work does not spin against it. See
-# kvchat.engine.threads; an explicit OMP_WAIT_POLICY in the environment wins.
+# kvchat.models.threads; an explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -50,7 +50,7 @@ def _private_data_dir(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """Directory of SmolLM2-135M-Instruct (config.json, model.safetensors, tokenizer)."""
-    from kvchat.engine.models import resolve_model
+    from kvchat.models.resolve import resolve_model
 
     return resolve_model("smollm2-135m").path
 
@@ -58,7 +58,8 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir: Path) -> tuple[Any, Any]:
     """``(model, tokenizer)``: SmolLM2-135M-Instruct, float32, CPU, eval mode. Do not mutate."""
-    from kvchat.engine.models import ResolvedModel, load_model
+    from kvchat.models.load import load_model
+    from kvchat.models.resolve import ResolvedModel
 
     resolved = ResolvedModel(smollm2_dir, "smollm2-135m", "pypi", chat_template=True)
     return load_model(resolved, device=_device(), dtype="float32")
@@ -67,14 +68,14 @@ def smollm2(smollm2_dir: Path) -> tuple[Any, Any]:
 @pytest.fixture(scope="session")
 def smollm2_loaded(smollm2_dir: Path):
     """SmolLM2 as the engine holds it (``LoadedModel``), fp32 on CPU. Do not mutate."""
-    from kvchat.engine.loader import load
+    from kvchat.models.load import load
 
     return load(str(smollm2_dir), device=_device(), dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def smollm2_loaded_bf16(smollm2_dir: Path):
-    from kvchat.engine.loader import load
+    from kvchat.models.load import load
 
     return load(str(smollm2_dir), device=_device(), dtype="bfloat16")
 
@@ -82,6 +83,6 @@ def smollm2_loaded_bf16(smollm2_dir: Path):
 @pytest.fixture(scope="session")
 def gemma270m_loaded():
     """Gemma 3 270M (base model, no chat template) from the PyPI chunk wheels, fp32."""
-    from kvchat.engine.loader import load
+    from kvchat.models.load import load
 
     return load("gemma-3-270m", device=_device(), dtype="float32")

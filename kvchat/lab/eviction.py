@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from kvchat.engine.baselines import POLICIES as EVICTION_POLICIES
-from kvchat.engine.baselines import EvictionCache
-from kvchat.engine.cache import KVDirectCache
-from kvchat.engine.generate import forward, prefill
+from kvchat.chat.generate import forward, prefill
+from kvchat.kvdirect.cache import KVDirectCache
+from kvchat.lab.baselines import POLICIES as EVICTION_POLICIES
+from kvchat.lab.baselines import EvictionCache
 from kvchat.lab.context import LabContext
 from kvchat.lab.harness import human_bytes
 from kvchat.lab.report import Claim, Section, Table
@@ -296,7 +296,7 @@ def cache_factory(loaded: Any, policy: str, budget: int) -> Callable[[], Any]:
 
 
 def _stop_ids(tokenizer: Any) -> set[int]:
-    from kvchat.engine.session import END_OF_TURN_TOKENS
+    from kvchat.chat.session import END_OF_TURN_TOKENS
 
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     vocab = tokenizer.get_vocab()
@@ -624,7 +624,7 @@ def _summary(
 ) -> str:
     lines = [
         "Each eviction policy keeps a budget of B tokens of K/V per layer (B = a fraction of "
-        "the context; policies from their papers, see `kvchat/engine/baselines.py`); "
+        "the context; policies from their papers, see `kvchat/lab/baselines.py`); "
         "KV-Direct keeps the same B tokens of hot K/V and recomputes the rest from residual "
         "checkpoints. Reference: the unbounded DynamicCache, same model, eager attention. "
         "Prefill in chunks of 256; each chunk attends to what is held plus itself.",

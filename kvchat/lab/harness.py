@@ -204,7 +204,7 @@ def fmt(value: float | None, digits: int = 2) -> str:
 
 def human_bytes(n: float | None) -> str:
     """The CLI's binary units (``1536`` -> ``1.5 KiB``); ``-`` when unknown."""
-    from kvchat.engine.planner import human_bytes as units
+    from kvchat.kvdirect.planner import human_bytes as units
 
     return "-" if n is None else units(n)
 

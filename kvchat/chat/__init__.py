@@ -1,0 +1,1 @@
+"""Run a chat: the session across turns, generation, sampling, detokenizing, saving."""

@@ -1,0 +1,195 @@
+"""``kvchat run`` (and ``resume --prompt``): load the model, open the conversation, answer each
+prompt in turn, streaming, with a memory line after each (the headless contract in README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from kvchat.commands.store_commands import check_conversation
+from kvchat.commands.terminal import (
+    EXIT_INTERRUPTED,
+    EXIT_NOT_SAVED,
+    CancelOnSigint,
+    PrefillProgress,
+    end_stdout_line,
+    exit_on_termination,
+    fail,
+    note,
+    stream_to_stdout,
+)
+from kvchat.errors import KvchatError
+
+if TYPE_CHECKING:
+    from kvchat.chat.session import ChatSession, TurnResult
+    from kvchat.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.models.loaded import LoadedModel
+
+
+def run_prompts(opts: dict[str, Any], prompts: list[str]) -> None:
+    """Answer ``prompts`` in turn; exits with the headless contract's status when not 0."""
+    from kvchat.chat.settings import SamplingSettings
+
+    sampling = SamplingSettings(
+        temperature=opts["temperature"],
+        top_p=opts["top_p"],
+        seed=opts["seed"],
+        max_new_tokens=opts["max_new_tokens"],
+    )
+    check_conversation(opts)  # fail fast, before loading any weights
+    with exit_on_termination():
+        session = open_run_session(opts)
+        try:
+            code = answer(session, prompts, sampling, opts["as_json"])
+        except KvchatError as exc:
+            fail(exc)
+        finally:
+            session.close()
+    if code:
+        sys.exit(code)
+
+
+def load_from_options(opts: dict[str, Any], quiet: bool = False) -> LoadedModel:
+    from kvchat.models.load import load
+    from kvchat.models.registry import DEFAULT_MODEL
+
+    say = (lambda _m: None) if quiet else note
+    return load(
+        opts["model"] or DEFAULT_MODEL,
+        device=opts["device"],
+        dtype=opts["dtype"],
+        weights=opts["weights"],
+        threads=opts.get("threads"),
+        progress=say,
+    )
+
+
+def cache_settings(opts: dict[str, Any]) -> CacheSettings:
+    from kvchat.chat.settings import CacheSettings
+
+    return CacheSettings(
+        kind=opts["cache_kind"],
+        max_mem=opts["max_mem"],
+        hot_window=opts["hot_window"],
+        checkpoint=opts["checkpoint"],
+        prefill_chunk=opts["prefill_chunk"],
+    )
+
+
+def open_run_session(opts: dict[str, Any]) -> ChatSession:
+    """Load the model and open the conversation; Ctrl-C here exits 130, errors exit 1."""
+    as_json = opts["as_json"]
+    try:
+        loaded = load_from_options(opts, quiet=as_json)
+        from kvchat.chat.conversation import open_session
+
+        if not loaded.has_chat_template:
+            note(
+                f"{loaded.name} is a base model (no chat template): plain completion, each "
+                "prompt is continued as written"
+            )
+        return open_session(
+            loaded,
+            data_dir=opts["data_dir"],
+            cache=cache_settings(opts),
+            system=opts["system"],
+            conversation_id=opts["conversation_id"],
+            save=not opts["no_save"],
+            say=(lambda _m: None) if as_json else note,
+        )
+    except KeyboardInterrupt:
+        note("interrupted before the first reply; nothing was saved")
+        sys.exit(EXIT_INTERRUPTED)
+    except KvchatError as exc:
+        fail(exc)
+
+
+def answer(
+    session: ChatSession, prompts: list[str], sampling: SamplingSettings, as_json: bool
+) -> int:
+    """Answer each prompt in turn; returns the exit status."""
+    from kvchat.chat.memory import format_memory_line
+
+    unsaved: list[int] = []  # turns answered but not on disk (a later save retries them)
+    code = 0
+    for turn, prompt in enumerate(prompts, start=1):
+        try:
+            with CancelOnSigint() as sigint:
+                result = session.send(
+                    prompt,
+                    sampling,
+                    on_text=None if as_json else stream_to_stdout,
+                    should_stop=lambda: sigint.cancelled,
+                    on_progress=PrefillProgress(),
+                )
+        except KeyboardInterrupt:
+            note(f"interrupted; {_saved_note(session)}")
+            return EXIT_INTERRUPTED
+        if as_json:
+            conversation_id = session.conversation.id if session.conversation else None
+            click.echo(json.dumps(_turn_json(turn, prompt, result, conversation_id)))
+        else:
+            if result.cancelled:
+                stream_to_stdout(" [stopped]")
+            end_stdout_line()
+            click.echo(format_memory_line(result.memory), err=True)
+        if result.save_error:
+            unsaved.append(turn)
+            note(f"saving failed: {result.save_error}")
+        else:
+            unsaved = []  # a successful save writes every turn still pending
+            if result.error:
+                note(f"reply ended early: {result.error}")
+        # A Ctrl-C that landed after the reply (while saving) still means stop.
+        if result.cancelled or sigint.cancelled:
+            code = EXIT_INTERRUPTED
+            break
+    if unsaved:
+        note(
+            f"error: {_turns(unsaved)} not saved; the replies above are all there is of "
+            "them. Free disk space or fix the permissions of the data dir (or pass "
+            "--data-dir DIR), then run again"
+        )
+        return code or EXIT_NOT_SAVED
+    return code
+
+
+def _turns(numbers: list[int]) -> str:
+    if len(numbers) == 1:
+        return f"turn {numbers[0]} is"
+    return f"turns {numbers[0]}-{numbers[-1]} are"
+
+
+def _saved_note(session: ChatSession) -> str:
+    conversation = session.conversation
+    if conversation is None:
+        return "nothing was saved"
+    turns = len(conversation.manifest.turns)
+    return (
+        f"conversation {conversation.id} keeps its {turns} saved turn(s); the turn in progress "
+        f"was not saved (resume with `kvchat resume {conversation.id}`)"
+    )
+
+
+def _turn_json(
+    turn: int, prompt: str, result: TurnResult, conversation: str | None
+) -> dict[str, Any]:
+    return {
+        "conversation": conversation,
+        "turn": turn,
+        "prompt": prompt,
+        "reply": result.reply,
+        "tokens": result.tokens,
+        "finish_reason": result.finish_reason,
+        "error": result.error,
+        "saved": conversation is not None and not result.save_error,
+        "prompt_tokens": result.prompt_tokens,
+        "prefill_seconds": round(result.prefill_seconds, 4),
+        "decode_seconds": round(result.decode_seconds, 4),
+        "decode_tokens_per_second": round(result.decode_tokens_per_second, 2),
+        "memory": result.memory.to_dict(),
+    }

