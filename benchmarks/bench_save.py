@@ -35,7 +35,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402  (puts this checkout first on sys.path, sets OMP_WAIT_POLICY)
+import common  # noqa: E402, F401  (puts this checkout first on sys.path, sets OMP_WAIT_POLICY)
+
+from kvchat.lab import harness  # noqa: E402
 
 TARGET = 1.2
 
@@ -177,7 +179,7 @@ def measure_once(store_root: Path, cid: str, turn: dict) -> dict[str, float]:
     folder = store.conversations_dir / cid
     with store.open(cid) as conv:
         before = files_beside_segments(folder)
-        common.collect()
+        harness.collect()
         with SegmentClock() as clock:
             t0 = time.perf_counter()
             conv.append_turn(**turn)
@@ -189,16 +191,16 @@ def measure_once(store_root: Path, cid: str, turn: dict) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-save-", dir=args.tmp) as tmp:
         root = Path(tmp)
-        common.say(f"building a {args.turns}-turn conversation in {root} ...")
+        harness.say(f"building a {args.turns}-turn conversation in {root} ...")
         cid, early, late, turns = build(root, args)
         late_name = str(args.turns)
         cases = {"2": turns[0], late_name: turns[1]}
         stores = prepare({"2": early, late_name: late}, cid, root, args.repeats)
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
         for repeat in range(args.repeats):
-            for name in common.rotated(list(cases), repeat):
+            for name in harness.rotated(list(cases), repeat):
                 runs[name].append(measure_once(stores[name, repeat], cid, cases[name]))
-        common.say(f"{args.repeats} repeats done")
+        harness.say(f"{args.repeats} repeats done")
     return {"conversation_id": cid, "runs": runs}
 
 
@@ -208,14 +210,14 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     ratios = [b["manifest_s"] / a["manifest_s"] for a, b in zip(early, late)]
     summary = {
         name: {
-            "manifest_ms_median": common.median([r["manifest_s"] for r in rs]) * 1e3,
-            "total_ms_median": common.median([r["total_s"] for r in rs]) * 1e3,
-            "manifest_spread": common.spread([r["manifest_s"] for r in rs]),
-            "bytes_written": common.median([r["bytes"] for r in rs]),
+            "manifest_ms_median": harness.median([r["manifest_s"] for r in rs]) * 1e3,
+            "total_ms_median": harness.median([r["total_s"] for r in rs]) * 1e3,
+            "manifest_spread": harness.spread([r["manifest_s"] for r in rs]),
+            "bytes_written": harness.median([r["bytes"] for r in rs]),
         }
         for name, rs in runs.items()
     }
-    ratio = common.median(ratios)
+    ratio = harness.median(ratios)
     return {
         "per_turn": summary,
         "ratio_of_per_repeat_pairs": ratio,
@@ -231,15 +233,15 @@ def report(summary: dict[str, Any], args: argparse.Namespace) -> None:
     rows = [
         [
             f"turn {name}",
-            common.fmt(s["manifest_ms_median"], 3),
-            common.fmt(s["total_ms_median"], 3),
+            harness.fmt(s["manifest_ms_median"], 3),
+            harness.fmt(s["total_ms_median"], 3),
             f"{s['manifest_spread']:.0%}",
-            common.human_bytes(s["bytes_written"]),
+            harness.human_bytes(s["bytes_written"]),
         ]
         for name, s in summary["per_turn"].items()
     ]
     headers = ["save of", "manifest part ms (median)", "whole save ms", "spread", "bytes written"]
-    print(common.markdown_table(headers, rows))
+    print(harness.markdown_table(headers, rows))
     print()
     verdict = "meets" if summary["meets_target"] else "MISSES"
     print(
@@ -268,18 +270,18 @@ def main() -> None:
         parser.error("--turns must be at least 3 and --repeats at least 1")
     import torch
 
+    wall = harness.stopwatch()
     result = run(args)
     summary = summarize(result, args)
     report(summary, args)
     if args.json:
-        doc = {
-            "benchmark": "bench_save",
+        fields = {
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
-            "environment": common.environment(torch.get_num_threads()),
             "summary": summary,
             "runs": result["runs"],
         }
-        common.say(f"wrote {common.write_json(args.json, doc)}")
+        env = harness.environment(torch.get_num_threads())
+        harness.save_run(args.json, "bench_save", fields, env, wall())
 
 
 if __name__ == "__main__":
