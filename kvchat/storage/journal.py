@@ -56,6 +56,7 @@ from kvchat.storage.manifest import (
     ManifestError,
     SegmentInfo,
     Turn,
+    checked_field,
     one_line,
     segment_file_name,
 )
@@ -223,32 +224,32 @@ class _Reader:
         bad = self.bad_field
         m = self.m
         index = len(m.turns) + 1
-        turn_no = _get(record, "turn", int, "", bad)
+        turn_no = checked_field(record, "turn", int, "", bad)
         if record.get("journal_id") != self.journal_id:
             raise self.damaged(f"record {self.number} belongs to another conversation's journal")
         if turn_no != index:
             raise bad(f"turn is {turn_no}, expected {index}")
-        seg = _get(record, "segment", dict, "", bad)
+        seg = checked_field(record, "segment", dict, "", bad)
         info = SegmentInfo(
-            file=_get(seg, "file", str, "segment.", bad),
-            sha256=_get(seg, "sha256", str, "segment.", bad),
-            nbytes=_get(seg, "nbytes", int, "segment.", bad),
+            file=checked_field(seg, "file", str, "segment.", bad),
+            sha256=checked_field(seg, "sha256", str, "segment.", bad),
+            nbytes=checked_field(seg, "nbytes", int, "segment.", bad),
         )
         if info.file != segment_file_name(index):
             raise bad(f"segment.file is {info.file!r}")
         if not SHA256_RE.match(info.sha256) or info.nbytes < 0:
             raise bad("segment.sha256 or segment.nbytes is not valid")
-        messages = _messages(_get(record, "messages", list, "", bad), bad)
-        ids = _get(record, "token_ids", list, "", bad)
+        messages = _messages(checked_field(record, "messages", list, "", bad), bad)
+        ids = checked_field(record, "token_ids", list, "", bad)
         if not all(type(t) is int for t in ids):
             raise bad("token_ids holds a non-integer")
-        total = _get(record, "n_tokens_total_after", int, "", bad)
+        total = checked_field(record, "n_tokens_total_after", int, "", bad)
         if total != len(m.token_ids) + len(ids):
             adds_up = len(m.token_ids) + len(ids)
             raise bad(f"n_tokens_total_after is {total}, but the token ids add up to {adds_up}")
-        extra = _get(record, "extra", dict, "", bad)
-        title = _get(record, "title", str, "", bad)
-        updated = _get(record, "updated", str, "", bad)
+        extra = checked_field(record, "extra", dict, "", bad)
+        title = checked_field(record, "title", str, "", bad)
+        updated = checked_field(record, "updated", str, "", bad)
         try:
             datetime.fromisoformat(updated)
         except ValueError:
@@ -267,23 +268,12 @@ class _Reader:
         return self.damaged(f"record {self.number}: {what}")
 
 
-def _get(
-    obj: dict[str, Any], key: str, typ: type, where: str, bad: Callable[[str], Exception]
-) -> Any:
-    if key not in obj:
-        raise bad(f"{where}{key} missing")
-    value = obj[key]
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise bad(f"{where}{key} has the wrong type")
-    return value
-
-
 def _messages(messages: list[Any], bad: Callable[[str], Exception]) -> list[dict[str, Any]]:
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise bad(f"messages[{i}] is not an object")
-        _get(msg, "role", str, f"messages[{i}].", bad)
-        _get(msg, "content", str, f"messages[{i}].", bad)
+        checked_field(msg, "role", str, f"messages[{i}].", bad)
+        checked_field(msg, "content", str, f"messages[{i}].", bad)
     return messages
 
 

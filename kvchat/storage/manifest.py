@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -220,12 +221,7 @@ class Manifest:
         check_format_version(data.get("format_version"), conv_id=conv_id, bad=bad)
 
         def get(obj: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
-            if key not in obj:
-                raise bad(f"{where}{key} missing")
-            value = obj[key]
-            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-                raise bad(f"{where}{key} has the wrong type")
-            return value
+            return checked_field(obj, key, typ, where, bad)
 
         model = get(data, "model", dict, "")
         messages = get(data, "messages", list, "")
@@ -335,6 +331,23 @@ def parse_header(text: str, *, source: str | Path, conv_id: str) -> tuple[Manife
             f"`kvchat delete {conv_id}`"
         )
     return manifest, journal_id
+
+
+def checked_field(
+    obj: dict[str, Any],
+    key: str,
+    typ: type | tuple[type, ...],
+    where: str,
+    bad: Callable[[str], Exception],
+) -> Any:
+    """``obj[key]``, which must be a ``typ`` (a bool is not an int); else ``bad(why)`` is
+    raised, ``why`` naming the field as ``where + key``."""
+    if key not in obj:
+        raise bad(f"{where}{key} missing")
+    value = obj[key]
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise bad(f"{where}{key} has the wrong type")
+    return value
 
 
 def content_checksum(data: dict[str, Any]) -> str:

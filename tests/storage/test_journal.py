@@ -30,6 +30,7 @@ from kvchat.storage import (
 from kvchat.storage import journal as journal_mod
 from kvchat.storage.journal import JOURNAL_NAME, apply_state_delta, seal, state_delta
 from kvchat.storage.store import read_manifest
+from tests.storage.refusals import refused_everywhere as refused_with
 from tests.storage.test_store import new
 
 FIXTURE = Path(__file__).parent / "data" / "v1-conversation"
@@ -302,19 +303,8 @@ def damage(path: Path, line: int, edit) -> None:
     path.write_bytes(b"".join(lines))
 
 
-def refused_everywhere(store, conv, other, error=ManifestError, file=JOURNAL_NAME) -> str:
-    with pytest.raises(error) as err:
-        store.open(conv.id)
-    message = str(err.value)
-    assert str(conv.path / file) in message and "\n" not in message
-    assert f"kvchat delete {conv.id}" in message
-    with pytest.raises(error):
-        store.export(conv.id, "md")
-    rows = {r.id: r for r in store.list()}
-    assert rows[conv.id].error == message
-    assert rows[other.id].error is None
-    store.open(other.id).close()
-    return message
+def refused_everywhere(store, conv, other, error=ManifestError) -> str:
+    return refused_with(store, conv, other, error, file=JOURNAL_NAME)
 
 
 @pytest.mark.parametrize("line", [0, 1, 2], ids=["first", "middle", "last"])

@@ -9,8 +9,9 @@ import shutil
 
 import pytest
 
-from kvchat.storage import ConversationStore, ManifestEditedError, ManifestError
+from kvchat.storage import ConversationStore, ManifestEditedError
 from kvchat.storage.journal import JOURNAL_NAME
+from tests.storage.refusals import refused_everywhere
 from tests.storage.test_journal import FIXTURE, FIXTURE_ID
 from tests.storage.test_store import new, save_turns
 
@@ -60,21 +61,6 @@ def rewrite_record(conv, line: int, mutate) -> None:
     mutate(record)
     lines[line] = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
     path.write_text("".join(lines))
-
-
-def refused_everywhere(store, conv, other, error=ManifestError, file="manifest.json") -> str:
-    with pytest.raises(error) as err:
-        store.open(conv.id)
-    message = str(err.value)
-    assert str(conv.path / file) in message and "\n" not in message
-    assert f"kvchat delete {conv.id}" in message
-    with pytest.raises(error):
-        store.export(conv.id, "md")
-    rows = {r.id: r for r in store.list()}
-    assert rows[conv.id].error == message
-    assert rows[other.id].error is None  # other conversations are unaffected
-    store.open(other.id).close()
-    return message
 
 
 @pytest.mark.parametrize(
