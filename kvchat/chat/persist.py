@@ -171,10 +171,16 @@ def note_saved(
 
 
 def bind_segment(
-    cache: KVDirectCache, layout: dict[str, TensorLocation], path: Path, since: int
+    cache: KVDirectCache | DynamicCache,
+    layout: dict[str, TensorLocation],
+    path: Path,
+    since: int,
 ) -> None:
     """:func:`note_saved` for a segment written at ``path`` with tensors at ``layout``
-    (what a save from ``since`` wrote), whichever conversation file it is."""
+    (what a save from ``since`` wrote), whichever conversation file it is. The standard
+    cache keeps nothing on disk: nothing to re-point."""
+    if not isinstance(cache, KVDirectCache):
+        return
     for entry in _save_plan(cache, since):
         i, layer = entry["index"], entry["layer"]
         if entry["residual"] and f"L{i}.residual" in layout:

@@ -22,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvchat.errors import KvchatError, StorageError
 
 if TYPE_CHECKING:
+    from kvchat.chat.session import ChatSession
     from kvchat.models.loaded import LoadedModel
+    from kvchat.storage import Conversation, SegmentInfo, Turn
 
 
 class RepairError(KvchatError):
@@ -40,7 +42,7 @@ class RepairOutcome:
     verified: tuple[int, ...]  # undamaged turns rebuilt byte for byte equal to their file
 
 
-def damaged_turns(conversation: Any) -> list[int]:
+def damaged_turns(conversation: Conversation) -> list[int]:
     """The turns of the state (from the last rebase on) whose segment fails its checks."""
     from kvchat.chat.persist import turns_from_last_rebase
 
@@ -55,7 +57,7 @@ def damaged_turns(conversation: Any) -> list[int]:
 
 def repair(
     loaded: LoadedModel,
-    conversation: Any,
+    conversation: Conversation,
     *,
     spill_root: Path | None = None,
     on_turn: Callable[[int, int], None] | None = None,
@@ -71,10 +73,14 @@ def repair(
     if not damaged:
         return RepairOutcome((), ())
     turns = turns_from_last_rebase(conversation)
-    calls = _calls_per_turn(conversation, turns)
-    staged: dict[int, Any] = {}
+    manifest = conversation.manifest
+    ids = manifest.token_ids[int(manifest.engine_state.get("ids_from", 0)) :]
+    calls = _calls_per_turn(conversation.id, turns, len(ids))
+    staged: dict[int, SegmentInfo] = {}
     try:
-        verified = _replay(loaded, conversation, turns, calls, damaged, staged, spill_root, on_turn)
+        verified = _replay(
+            loaded, conversation, ids, turns, calls, damaged, staged, spill_root, on_turn
+        )
         conversation.replace_segments({i: staged[i] for i in sorted(damaged)})
     finally:
         for index in staged:  # the damaged ones are in place by now, unless this failed
@@ -82,11 +88,11 @@ def repair(
     return RepairOutcome(tuple(sorted(damaged)), tuple(verified))
 
 
-def _calls_per_turn(conversation: Any, turns: list) -> list[list[int]]:
-    """Each turn's forward-call sizes, checked against the positions it added."""
+def _calls_per_turn(cid: str, turns: list[Turn], held: int) -> list[list[int]]:
+    """Each turn's forward-call sizes, checked against the positions it added and the
+    ``held`` token ids the state is made of."""
     from kvchat.chat.persist import decode_calls
 
-    cid = conversation.id
     out, before = [], 0
     for turn in turns:
         if "calls" not in turn.extra:
@@ -107,7 +113,6 @@ def _calls_per_turn(conversation: Any, turns: list) -> list[list[int]]:
                 f"`kvchat export {cid}` saves its text"
             ) from None
         before = n_cached
-    held = len(_state_token_ids(conversation))
     if before > held:
         raise RepairError(
             f"conversation {cid} holds {held} token ids but its turns fed {before}, so it "
@@ -118,11 +123,12 @@ def _calls_per_turn(conversation: Any, turns: list) -> list[list[int]]:
 
 def _replay(
     loaded: LoadedModel,
-    conversation: Any,
-    turns: list,
+    conversation: Conversation,
+    ids: list[int],
+    turns: list[Turn],
     calls: list[list[int]],
     damaged: set[int],
-    staged: dict[int, Any],
+    staged: dict[int, SegmentInfo],
     spill_root: Path | None,
     on_turn: Callable[[int, int], None] | None,
 ) -> list[int]:
@@ -135,7 +141,6 @@ def _replay(
 
     cid = conversation.id
     session = _replay_session(loaded, conversation, spill_root)
-    ids = _state_token_ids(conversation)
     verified = []
     try:
         position = 0
@@ -162,8 +167,7 @@ def _replay(
                             f"export {cid}` saves its text"
                         )
                     verified.append(turn.index)
-                if isinstance(session.cache, _kvdirect_cache_type()):
-                    bind_segment(session.cache, segments.tensor_layout(path), path, since)
+                bind_segment(session.cache, segments.tensor_layout(path), path, since)
                 if on_turn is not None:
                     on_turn(done, len(turns))
     finally:
@@ -171,7 +175,9 @@ def _replay(
     return verified
 
 
-def _replay_session(loaded: LoadedModel, conversation: Any, spill_root: Path | None) -> Any:
+def _replay_session(
+    loaded: LoadedModel, conversation: Conversation, spill_root: Path | None
+) -> ChatSession:
     """A session fed nothing yet, with the conversation's saved settings and forms."""
     from kvchat.chat.session import ChatSession
     from kvchat.chat.settings import CacheSettings
@@ -193,17 +199,6 @@ def _replay_session(loaded: LoadedModel, conversation: Any, spill_root: Path | N
     return ChatSession(
         loaded, system=state.get("system"), cache=settings, spill_root=spill_root, forms=forms
     )
-
-
-def _state_token_ids(conversation: Any) -> list[int]:
-    manifest = conversation.manifest
-    return list(manifest.token_ids[int(manifest.engine_state.get("ids_from", 0)) :])
-
-
-def _kvdirect_cache_type() -> type:
-    from kvchat.kvdirect.cache import KVDirectCache
-
-    return KVDirectCache
 
 
 def _unlink(path: Path) -> None:
