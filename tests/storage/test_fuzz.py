@@ -247,11 +247,13 @@ def test_journal_with_mutated_records(templates, data, kind):
         at = data.draw(st.integers(0, len(lines) - 1), label="line")
         record = json.loads(lines[at])
         mutate_json(record, data)
+        lines[at] = json.dumps(record).encode() + b"\n"
         if data.draw(st.booleans(), label="reseal") and isinstance(record, dict):
             record.pop(CHECKSUM_KEY, None)
-            lines[at] = seal(record)
-        else:
-            lines[at] = json.dumps(record).encode() + b"\n"
+            try:
+                lines[at] = seal(record)
+            except ValueError:  # NaN / infinity, or nothing left: kvchat never seals those
+                pass  # the unsealed line above (Python writes "Infinity") stays
     else:
         order = data.draw(st.lists(st.integers(0, len(lines) - 1), max_size=4), label="order")
         lines = [lines[i] for i in order]
