@@ -34,6 +34,14 @@ layers write a token's K/V out only when it leaves the hot window, so with nothi
 a K/V-form layer holds exactly what ``DynamicCache`` holds. A store may mix forms (a
 conversation saved as residuals and resumed as K/V keeps its old pieces as they are).
 
+How K/V-form rows reach attention
+--------------------------------
+While one layer's whole K/V fits in scratch, stored K/V rows are read (on CPU) straight into
+one token-major buffer shared by every layer, the hot window and the new rows copied in
+behind them, and attention gets strided head-major views of it: SDPA gives the same bits
+for those as for contiguous K/V, and nothing is regathered. Below that, attention is
+streamed window by window (streamed_attention.py).
+
 Sliding-window layers (Gemma 3, Mistral) return exactly what ``DynamicSlidingWindowLayer``
 returns (the last ``window - 1`` tokens plus the new ones) and drop a call's residuals once
 none of its rows can be seen again.
@@ -84,6 +92,35 @@ def unpack_kv(rows: torch.Tensor, heads: int, dim: int) -> tuple[torch.Tensor, t
     m = rows.shape[1]
     both = rows.view(1, m, 2, heads, dim)
     return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
+
+
+def adjacent_blocks(
+    pieces: list[Piece], rows: list[torch.Tensor]
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first position, rows) of runs of ``pieces`` whose token-major ``rows`` lie back to
+    back in one storage, each run as one view of it."""
+    i = 0
+    while i < len(rows):
+        j = i
+        while (
+            j + 1 < len(rows)
+            and rows[j + 1].dtype == rows[i].dtype
+            and rows[j + 1].is_contiguous()
+            and rows[j].is_contiguous()
+            and rows[j + 1].untyped_storage().data_ptr() == rows[i].untyped_storage().data_ptr()
+            and rows[j + 1].data_ptr() == rows[j].data_ptr() + nbytes(rows[j])
+        ):
+            j += 1
+        if j == i:
+            yield pieces[i].start, rows[i]
+        else:
+            total = sum(r.shape[1] for r in rows[i : j + 1])
+            width = rows[i].shape[-1]
+            block = rows[i].as_strided(
+                (1, total, width), (total * width, width, 1), rows[i].storage_offset()
+            )
+            yield pieces[i].start, block
+        i = j + 1
 
 
 class CacheStats:
@@ -188,6 +225,7 @@ class KVDirectLayer(CacheLayerMixin):
         visible_from = 0 if not self.is_sliding else max(0, start - self.sliding_window + 1)
         hot_from = start - self.hot_length
         parts_k, parts_v = [], []
+        in_place = False  # the cold rows are read straight into attention's buffer
         self.pending_cold = None
         if visible_from < hot_from:
             if self.owner.stream_chunk is not None:
@@ -205,13 +243,19 @@ class KVDirectLayer(CacheLayerMixin):
                     )
                 self.pending_cold = (visible_from, hot_from)
                 module._kvdirect_layer = self
+            elif self._reads_in_place(visible_from, hot_from, key_states):
+                in_place = True
             else:
                 for cold_k, cold_v in self.iter_cold_kv(visible_from, hot_from, READ_CHUNK_ROWS):
                     parts_k.append(cold_k)
                     parts_v.append(cold_v)
         skip = max(0, visible_from - hot_from)  # hot tokens a sliding layer can no longer see
         hot_k, hot_v = self.keys[..., skip:, :], self.values[..., skip:, :]
-        if parts_k:
+        if in_place:
+            full_k, full_v = self._token_major(
+                visible_from, hot_from, [(hot_k, hot_v), (key_states, value_states)]
+            )
+        elif parts_k:
             # Into buffers reused by every layer and step: attention reads them before the
             # next layer's update refills them, and the hot window is copied out below.
             full_k = self.owner.kv_buffer("k", [*parts_k, hot_k, key_states])
@@ -219,14 +263,16 @@ class KVDirectLayer(CacheLayerMixin):
         else:
             full_k = torch.cat([hot_k, key_states], dim=-2)
             full_v = torch.cat([hot_v, value_states], dim=-2)
-        if parts_k:
+        if in_place:
+            self.owner.stats.note_scratch(full_k.untyped_storage().nbytes())
+        elif parts_k:
             held = {
                 t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in parts_k + parts_v
             }
             scratch = nbytes(full_k) + nbytes(full_v) + sum(held.values())
             self.owner.stats.note_scratch(scratch)
-        had_cold = bool(parts_k)
+        had_cold = in_place or bool(parts_k)
         del parts_k, parts_v
 
         self.cumulative_length = start + new_len
@@ -407,10 +453,9 @@ class KVDirectLayer(CacheLayerMixin):
             if streamed:
                 yield from self._kv_windows(pieces, device, begin, end, chunk_rows)
                 return
-            chunk_rows = None  # K/V rows: one read per run of adjacent pieces, no replay
-            scratch = self.owner.read_buffer
-        else:
-            scratch = None
+            yield from self._kv_blocks(pieces, device, begin, end)
+            return
+        scratch = None
         i = 0
         while i < len(pieces):
             j, rows = i + 1, pieces[i].rows
@@ -437,6 +482,65 @@ class KVDirectLayer(CacheLayerMixin):
             yield from out
             i = j
 
+    def _reads_in_place(self, begin: int, end: int, key_states: torch.Tensor) -> bool:
+        """Whether the cold rows [begin, end) can be read straight into attention's buffer:
+        all of them K/V rows of the model's dtype, on CPU (see ``_token_major``)."""
+        if key_states.device.type != "cpu":
+            return False
+        pieces = self.store.pieces_in(begin, end)
+        return bool(pieces) and all(p.form == "kv" and p.dtype == key_states.dtype for p in pieces)
+
+    def _token_major(
+        self, begin: int, end: int, after: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the cold positions [begin, end) followed by the ``after`` K/V pairs, as
+        views of one token-major buffer shared by every layer: the stored rows are read into
+        it as they lie on disk, so nothing regathers them head-major. SDPA takes the strided
+        views and gives bit-identical results (tests/kvdirect/test_cache_exact.py); whole
+        pieces are read, so a piece that starts before ``begin`` leads the buffer."""
+        pieces = self.store.pieces_in(begin, end)
+        lead = begin - pieces[0].start
+        stored = pieces[-1].end - pieces[0].start
+        tail = sum(k.shape[-2] for k, _ in after)
+        heads, dim = self.kv_heads, self.head_dim
+        dtype = after[0][0].dtype
+        rows = max(stored, lead + end - begin) + tail
+        width = 2 * heads * dim
+        flat = self.owner.rows_buffer(rows * width, dtype)
+        t0 = time.perf_counter()
+        cold = flat[: stored * width].view(torch.uint8)
+        self.store.read_into(pieces, cold)
+        stats = self.owner.stats
+        stats.read_seconds += time.perf_counter() - t0
+        stats.disk_read_bytes += self.store.read_bytes(pieces)
+        both = flat.view(1, rows, 2, heads, dim)
+        at = lead + (end - begin)
+        for k, v in after:
+            n = k.shape[-2]
+            both[:, at : at + n, 0].copy_(k.transpose(1, 2))
+            both[:, at : at + n, 1].copy_(v.transpose(1, 2))
+            at += n
+        visible = both[:, lead:at]
+        return visible[:, :, 0].transpose(1, 2), visible[:, :, 1].transpose(1, 2)
+
+    def _kv_blocks(
+        self, pieces: list[Piece], device: torch.device, begin: int, end: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """K/V pieces read in one go into the shared read buffer and handed on as few
+        blocks as their placement allows: pieces that lie back to back in memory become one
+        view. One large copy into attention's buffer costs a fraction of one small copy per
+        piece (each small copy opens its own parallel region)."""
+        stats = self.owner.stats
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            rows = self.store.load(pieces, device, self.owner.read_buffer)
+        stats.disk_read_bytes += self.store.read_bytes(pieces)
+        stats.read_seconds += time.perf_counter() - t0
+        for first, block in adjacent_blocks(pieces, rows):
+            k, v = unpack_kv(block, self.kv_heads, self.head_dim)
+            lo, hi = max(begin, first) - first, min(end, first + block.shape[1]) - first
+            yield k[..., lo:hi, :], v[..., lo:hi, :]
+
     def _kv_windows(
         self, pieces: list[Piece], device: torch.device, begin: int, end: int, chunk_rows: int
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -444,30 +548,14 @@ class KVDirectLayer(CacheLayerMixin):
         whatever the pieces' own boundaries: streamed attention then sums in the same
         order however the rows were spilled, saved or resumed."""
         stats = self.owner.stats
-        window_k: list[torch.Tensor] = []
-        window_v: list[torch.Tensor] = []
-        filled = begin
         t0 = time.perf_counter()
-        for piece in pieces:
-            cuts = [b - piece.start for b in range(begin, end, chunk_rows)]
-            for r0, rows in self.store.load_in_parts(piece, device, cuts):
-                a, b = piece.start + r0, piece.start + r0 + rows.shape[1]
-                lo, hi = max(a, begin), min(b, end)
-                if lo >= hi:
-                    continue
-                k, v = unpack_kv(rows, self.kv_heads, self.head_dim)
-                window_k.append(k[..., lo - a : hi - a, :])
-                window_v.append(v[..., lo - a : hi - a, :])
-                filled = hi
-                if (filled - begin) % chunk_rows == 0 or filled == end:
-                    stats.read_seconds += time.perf_counter() - t0
-                    yield torch.cat(window_k, dim=-2), torch.cat(window_v, dim=-2)
-                    window_k, window_v = [], []
-                    t0 = time.perf_counter()
-            if piece.resident is None:
-                stats.disk_read_bytes += piece.disk.nbytes
-        if window_k:
-            yield torch.cat(window_k, dim=-2), torch.cat(window_v, dim=-2)
+        windows = self.store.load_windows(pieces, begin, end, chunk_rows, self.owner.window_buffer)
+        for _, rows in windows:
+            stats.read_seconds += time.perf_counter() - t0
+            k, v = unpack_kv(rows.to(device), self.kv_heads, self.head_dim)
+            yield k, v
+            t0 = time.perf_counter()
+        stats.disk_read_bytes += self.store.read_bytes(pieces)
 
     def _in_parts(
         self, piece: Piece, device: torch.device, begin: int, end: int, chunk_rows: int
@@ -643,6 +731,14 @@ class KVDirectCache(Cache):
         """A flat uint8 CPU buffer for rows read back from disk (reused every call)."""
         return self._buffer("read", nbytes, torch.uint8, torch.device("cpu"))
 
+    def rows_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat CPU buffer of token-major K/V rows handed to attention (reused)."""
+        return self._buffer("rows", numel, dtype, torch.device("cpu"))
+
+    def window_buffer(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 CPU buffer streamed attention's windows are assembled in."""
+        return self._buffer("window", nbytes, torch.uint8, torch.device("cpu"))
+
     def kv_buffer(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
         """``torch.cat(parts, dim=-2)`` into a buffer reused by every layer and step."""
         first = parts[0]
@@ -650,11 +746,17 @@ class KVDirectCache(Cache):
         shape = (*first.shape[:-2], rows, first.shape[-1])
         flat = self._buffer(name, math.prod(shape), first.dtype, first.device)
         out = flat.view(shape)
-        torch.cat(parts, dim=-2, out=out)
+        at = 0
+        for part in parts:  # few, large parts: a copy each beats torch.cat's per-part path
+            n = part.shape[-2]
+            out[..., at : at + n, :].copy_(part)
+            at += n
         return out
 
-    def release_buffers(self) -> None:
-        self._buffers.clear()
+    def release_buffers(self, names: tuple[str, ...] | None = None) -> None:
+        """Drop the named scratch buffers (all of them by default)."""
+        for name in list(self._buffers) if names is None else names:
+            self._buffers.pop(name, None)
 
     # -- disk tier -----------------------------------------------------------------------
     def layer_checkpoint_budget(self, layer: KVDirectLayer) -> int | None:
@@ -694,8 +796,12 @@ class KVDirectCache(Cache):
         self.kv_window = plan.kv_window
         self.checkpoint_budget = plan.checkpoint_budget
         self.enable_streaming(plan.stream_chunk)
-        if plan.stream_chunk is not None or not plan.disk_tier:
-            self.release_buffers()  # only the whole-K/V read-back path uses them
+        if not plan.disk_tier:
+            self.release_buffers()
+        elif plan.stream_chunk is not None:
+            self.release_buffers(("read", "k", "v", "rows"))  # the whole-K/V read-back path's
+        else:
+            self.release_buffers(("window",))  # streamed attention's
         self.decode_stream_chunk = plan.decode_stream_chunk or plan.stream_chunk
         self._budget_need_total = max(1, sum(map(_need, self.layers)))
         for layer in self.layers:

@@ -6,8 +6,9 @@ append-only raw file per layer, under the data dir, deleted when the session clo
 turn is saved they are re-pointed at the conversation's own segment files (safetensors,
 checksummed when the conversation is opened), and the spill files are emptied. Either way a
 checkpoint on disk is a ``DiskRows``: a file, a byte offset, a shape and a dtype, read with
-one ``preadv`` into a fresh buffer, never memory-mapped, so what is read counts as scratch
-until it is dropped.
+``preadv`` (a large read split over two threads) into a buffer the cache reuses, never
+memory-mapped (a file truncated under a mapping would kill the process), so what is read
+counts as scratch.
 """
 
 from __future__ import annotations
@@ -16,12 +17,23 @@ import atexit
 import math
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvchat.errors import StorageError
+
+PARALLEL_READ_BYTES = 4 << 20  # reads at least this large are split over two threads
+_READER: ThreadPoolExecutor | None = None
+
+
+def _reader() -> ThreadPoolExecutor:
+    global _READER
+    if _READER is None:
+        _READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvchat-read")
+    return _READER
 
 
 class RowFile:
@@ -46,21 +58,34 @@ class RowFile:
         except OSError as e:
             raise StorageError(f"cannot read {self.path} ({e.strerror}); {self._fix()}") from None
         try:
-            done = 0
-            while done < len(buffer):
-                try:
-                    n = os.preadv(fd, [buffer[done:]], offset + done)
-                except OSError as e:
-                    raise StorageError(f"reading {self.path} failed ({e.strerror})") from None
-                if n <= 0:
-                    raise StorageError(
-                        f"{self.path} ended early (wanted {len(buffer)} bytes at {offset}); "
-                        f"{self._fix()}"
-                    )
-                done += n
+            if len(buffer) < PARALLEL_READ_BYTES:
+                self._read_span(fd, buffer, offset)
+                return
+            # One preadv copies from the page cache on one core; a second thread copying
+            # the other half roughly halves the time of a large read-back.
+            half = len(buffer) // 2
+            other = _reader().submit(self._read_span, fd, buffer[half:], offset + half)
+            try:
+                self._read_span(fd, buffer[:half], offset)
+            finally:
+                other.result()
         finally:
             if not self.writable:
                 os.close(fd)
+
+    def _read_span(self, fd: int, buffer: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buffer):
+            try:
+                n = os.preadv(fd, [buffer[done:]], offset + done)
+            except OSError as e:
+                raise StorageError(f"reading {self.path} failed ({e.strerror})") from None
+            if n <= 0:
+                raise StorageError(
+                    f"{self.path} ended early (wanted {len(buffer)} bytes at {offset}); "
+                    f"{self._fix()}"
+                )
+            done += n
 
     def _fix(self) -> str:
         if self.writable:

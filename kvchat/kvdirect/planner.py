@@ -137,6 +137,7 @@ READ_CHUNK_ROWS = 256  # rows read from disk at once on the bit-identical path
 STREAM_CHUNKS = (1024, 512, 256, 128, 64, 32, 16)
 DECODE_STREAM_CHUNKS = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 PLAN_BLOCK = 32
+DECODE_HOT_ROWS = 4  # K/V rows a decode step keeps resident at least, before its chunk grows
 
 
 class Planner:
@@ -248,8 +249,14 @@ class Planner:
                 )
         decode_chunk = None
         if stream_chunk is not None:
-            decode_chunk = self._decode_chunk(layers, self.ceiling // 2 - fixed)
-            decode_scratch = max(self._stream_scratch(x, decode_chunk, f, 1) for x, _, f in layers)
+            # A decode step pays per streamed chunk, and a resident K/V row saves it only
+            # one row's read: the chunk takes what the ceiling leaves beyond a few hot rows.
+            reserve = sum(min(DECODE_HOT_ROWS, v) * x.kv_bytes for x, v, _ in layers)
+            budget = max(self.ceiling // 2, self.ceiling - reserve) - fixed
+            decode_chunk = self._decode_chunk(layers, budget)
+            decode_scratch = max(
+                self._stream_scratch(x, decode_chunk, f, 1, DECODE_HOT_ROWS) for x, _, f in layers
+            )
             scratch = max(scratch, decode_scratch)  # a step is one or the other, never both
         room = self.ceiling - fixed - scratch
         res = [(x, v) for x, v, f in layers if f == "residual"]
@@ -274,7 +281,12 @@ class Planner:
         return Plan(b, budget, stream_chunk, prefill_cap, kv_window, decode_chunk, estimate)
 
     def _stream_scratch(
-        self, layer: LayerFootprint, rows: int, form: str = "residual", queries: int | None = None
+        self,
+        layer: LayerFootprint,
+        rows: int,
+        form: str = "residual",
+        queries: int | None = None,
+        hot_rows: int | None = None,
     ) -> int:
         """Peak bytes of one streamed chunk of ``rows`` cold tokens for ``queries`` query rows
         (a prefill chunk of ``rows`` by default, 1 when decoding): the stored rows read and,
@@ -288,16 +300,18 @@ class Planner:
         upcast = kv_fp32 if self.fp.itemsize != 4 else 0  # .float() copies only below fp32
         if form == "residual":  # normed rows, then the recomputed K/V
             rebuilt = layer.residual_bytes + layer.kv_bytes
-        else:  # K/V read are viewed in place; the chunk is gathered once
-            rebuilt = layer.kv_bytes
+        else:  # K/V are read into one window buffer and viewed in place there
+            rebuilt = 0
         per_cold_row = rebuilt + upcast + heads * queries * 12
-        return read + rows * per_cold_row + 2 * queries * heads * max(rows, queries) * 12
+        hot_block = max(rows, queries) if hot_rows is None else hot_rows + queries
+        return read + rows * per_cold_row + 2 * queries * heads * hot_block * 12
 
     def _decode_chunk(self, layers: list, budget: int) -> int:
         """The largest streamed chunk a one-token step can use within ``budget`` bytes of
         scratch: a decode step has one query row, not a prefill chunk's ``rows``."""
         for rows in DECODE_STREAM_CHUNKS:
-            if max(self._stream_scratch(x, rows, f, 1) for x, _, f in layers) <= budget:
+            need = max(self._stream_scratch(x, rows, f, 1, DECODE_HOT_ROWS) for x, _, f in layers)
+            if need <= budget:
                 return rows
         return DECODE_STREAM_CHUNKS[-1]
 

@@ -245,6 +245,39 @@ class RowStore:
             out.append(rows)
         return out
 
+    def read_into(self, pieces: list[Piece], dest: torch.Tensor) -> None:
+        """Rows of ``pieces`` (consecutive K/V pieces of one width and dtype) into ``dest``,
+        a flat uint8 CPU tensor of exactly their bytes, in position order: pieces adjacent
+        in one file with one read, each checked against its digest; resident rows copied."""
+        at = 0
+        i = 0
+        while i < len(pieces):
+            piece = pieces[i]
+            size = piece.rows * piece.row_bytes
+            if piece.resident is not None:
+                rows = piece.resident.detach()
+                dest[at : at + size].view(rows.dtype).view(rows.shape).copy_(rows)
+                at += size
+                i += 1
+                continue
+            j = i + 1
+            while (
+                j < len(pieces)
+                and pieces[j].resident is None
+                and pieces[j].disk.file is piece.disk.file
+                and pieces[j].disk.offset == pieces[j - 1].disk.offset + pieces[j - 1].disk.nbytes
+            ):
+                j += 1
+            total = sum(p.disk.nbytes for p in pieces[i:j])
+            piece.disk.file.read_into(tensor_view(dest[at : at + total]), piece.disk.offset)
+            for p in pieces[i:j]:
+                n = p.disk.nbytes
+                self._check(p, xxhash.xxh3_64_intdigest(tensor_view(dest[at : at + n])))
+                at += n
+            i = j
+        if at != dest.numel():
+            raise ValueError(f"layer {self.layer_idx}: read {at} of {dest.numel()} bytes")
+
     def load_in_parts(
         self, piece: Piece, device: torch.device | str, cuts: list[int]
     ) -> Iterator[tuple[int, torch.Tensor]]:
@@ -264,6 +297,72 @@ class RowStore:
             if r1 == piece.rows:
                 self._check(piece, hasher.intdigest())
             yield r0, rows
+
+    def load_windows(
+        self,
+        pieces: list[Piece],
+        begin: int,
+        end: int,
+        rows_per_window: int,
+        buffer: Callable[[int], torch.Tensor],
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Rows of positions [begin, end) in windows of ``rows_per_window`` positions counted
+        from ``begin``, as (first position, token-major rows [1, n, W]).
+
+        Each window is assembled in ``buffer(nbytes)`` (a flat uint8 CPU buffer reused for
+        every window), the parts of a window that straddles pieces read back to back, so a
+        window is one view and never a concatenation. Every piece on disk is read whole
+        (rows before ``begin`` too, in window-sized parts) so its digest is checked with its
+        last part, inside the forward call that used it. A window's view is valid until the
+        next one is asked for. Pieces hold K/V rows of one width and dtype."""
+        if not pieces:
+            return
+        width, dtype = pieces[0].width, pieces[0].dtype
+        row_bytes = width * dtype.itemsize
+        flat = buffer(rows_per_window * row_bytes)
+        filled = 0  # rows of the current window in ``flat``
+        window_first = begin
+        for piece in pieces:
+            hasher = xxhash.xxh3_64() if piece.resident is None else None
+            bounds = sorted(
+                {piece.start, piece.end}
+                | {
+                    b
+                    for b in [*range(begin, end, rows_per_window), end]
+                    if piece.start < b < piece.end
+                }
+                | {
+                    b
+                    for b in range(begin - rows_per_window, piece.start, -rows_per_window)
+                    if piece.start < b < piece.end
+                }
+            )
+            for a, b in zip(bounds, bounds[1:]):
+                visible = begin <= a < end
+                at = filled * row_bytes if visible else 0
+                dest = flat[at : at + (b - a) * row_bytes]
+                if piece.resident is not None:
+                    if visible:
+                        rows = piece.resident[:, a - piece.start : b - piece.start]
+                        dest.view(dtype).view(1, b - a, width).copy_(rows)
+                else:
+                    part = sub_rows(piece.disk, a - piece.start, b - piece.start)
+                    part.file.read_into(tensor_view(dest), part.offset)
+                    hasher.update(tensor_view(dest))
+                    if b == piece.end:
+                        self._check(piece, hasher.intdigest())
+                if not visible:
+                    continue
+                filled += b - a
+                if filled == rows_per_window or b == end:
+                    yield (
+                        window_first,
+                        flat[: filled * row_bytes].view(dtype).view(1, filled, width),
+                    )
+                    window_first += filled
+                    filled = 0
+        if filled:
+            yield window_first, flat[: filled * row_bytes].view(dtype).view(1, filled, width)
 
     def _check(self, p: Piece, check: int) -> None:
         if p.digest is None:

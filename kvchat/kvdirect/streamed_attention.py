@@ -5,7 +5,10 @@ SmolLM2 tokens: 12 MB of fp32 K/V per layer), the cache cannot hand attention th
 It hands over the hot part and leaves the cold range pending; this attention function then
 recomputes the cold K/V a bounded chunk at a time (reading checkpoints from disk as needed)
 and combines the chunks with the running-max softmax of FlashAttention (Dao et al. 2022,
-arXiv 2205.14135; Milakov & Gimelshein 2018, arXiv 1805.02867).
+arXiv 2205.14135; Milakov & Gimelshein 2018, arXiv 1805.02867). On CPU each chunk is one
+call of torch's fused flash-attention kernel, which returns the chunk's log-sum-exp beside
+its output, and chunks are merged by those; the spelled-out update (a dozen small ops per
+chunk, each of which may wake the thread pool) is kept for other devices.
 
 The attention sum is taken in another order than SDPA's kernel, and a forward call longer
 than the chunk (a prefill chunk saved under a roomier ceiling) is projected in pieces, so
@@ -88,6 +91,47 @@ def _online_update(
     state[:] = [new_max, running_sum * scale + block_sum, acc * scale + block_acc]
 
 
+def _fused_block(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention output, log-sum-exp) of one block by torch's fused CPU kernel: one call
+    per block instead of a dozen small ones, each of which may wake the thread pool."""
+    additive = visible = None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            visible = mask.any(dim=-1)
+            additive = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+            additive.masked_fill_(~mask, float("-inf"))
+        else:
+            additive = mask.float()
+            visible = (additive > float("-inf")).any(dim=-1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key.float(), value.float(), 0.0, False, attn_mask=additive, scale=scaling
+    )
+    if visible is not None:
+        # The kernel reports a block with no visible column as lse 0; it weighs nothing.
+        lse = lse.masked_fill(~visible.expand_as(lse), float("-inf"))
+    return out, lse
+
+
+def _fold_block(state: list[torch.Tensor | None], out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge one block's normalized output into the running (output, log-sum-exp)."""
+    if state[0] is None:
+        state[:] = [out, lse]
+        return
+    acc, acc_lse = state
+    total = torch.logaddexp(acc_lse, lse)
+    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    state[:] = [
+        acc * torch.exp(acc_lse - safe).unsqueeze(-1) + out * torch.exp(lse - safe).unsqueeze(-1),
+        total,
+    ]
+
+
 def streamed_attention(
     layer: StreamedLayer,
     module: Any,
@@ -101,7 +145,9 @@ def streamed_attention(
 
     Grouped-query heads are folded into the query rows ([b, kv heads, groups * q, d]), so
     K/V are never widened to every query head (``repeat_kv``'s head order: query head
-    ``h`` reads kv head ``h // groups``).
+    ``h`` reads kv head ``h // groups``). On CPU each block goes through torch's fused
+    attention kernel and blocks are merged by their log-sum-exp; elsewhere the running-max
+    update is spelled out.
     """
     begin, end = layer.pending_cold
     layer.pending_cold = None
@@ -109,11 +155,18 @@ def streamed_attention(
     groups = getattr(module, "num_key_value_groups", 1)
     scaling = scaling if scaling is not None else 1.0 / math.sqrt(dim)
     folded = query.float().reshape(batch, heads // groups, groups * q_len, dim)
+    fused = query.device.type == "cpu"
 
     def rows_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
         return mask if mask is None or groups == 1 else mask.repeat(1, 1, groups, 1)
 
-    state: list[torch.Tensor | None] = [None, None, None]
+    def fold(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
+        if fused:
+            _fold_block(state, *_fused_block(folded, k, v, rows_mask(mask), scaling))
+        else:
+            _online_update(state, folded, k, v, rows_mask(mask), scaling)
+
+    state: list[torch.Tensor | None] = [None, None] if fused else [None, None, None]
     column = 0
     stats = layer.owner.stats
     owner = layer.owner
@@ -124,7 +177,7 @@ def streamed_attention(
             continue
         mask = None if attention_mask is None else attention_mask[..., column : column + n]
         stats.note_scratch(2 * cold_k.numel() * cold_k.element_size() + heads * q_len * n * 8)
-        _online_update(state, folded, cold_k, cold_v, rows_mask(mask), scaling)
+        fold(cold_k, cold_v, mask)
         column += n
     if column != end - begin:
         raise RuntimeError(f"layer {layer.layer_idx}: streamed {column} of {end - begin} rows")
@@ -137,9 +190,13 @@ def streamed_attention(
         mask = (torch.arange(n_hot, device=query.device).unsqueeze(0) <= rows)[None, None]
     else:
         mask = None
-    _online_update(state, folded, key, value, rows_mask(mask), scaling)
-    _, total, acc = state
-    out = (acc / total).reshape(batch, heads, q_len, -1).to(query.dtype)
+    fold(key, value, mask)
+    if fused:
+        out = state[0]
+    else:
+        _, total, acc = state
+        out = acc / total
+    out = out.reshape(batch, heads, q_len, -1).to(query.dtype)
     return out.transpose(1, 2).contiguous()
 
 

@@ -65,6 +65,77 @@ def test_a_changed_spill_file_is_named_not_read(tmp_path):
     spill.close()
 
 
+def mixed_store(tmp_path, sizes=(5, 3, 7, 4)) -> tuple[RowStore, SpillArea, torch.Tensor]:
+    """Pieces of ``sizes`` rows, all but the last moved to a spill file."""
+    store = RowStore(0)
+    spill = SpillArea(tmp_path)
+    everything = rows(sum(sizes), seed=7)
+    at = 0
+    for n in sizes:
+        store.append(Piece(at, "kv", everything[:, at : at + n].clone()))
+        at += n
+    store.move_out(sum(sizes[:-1]) * 6 * 4, spill)
+    assert [p.resident is None for p in store.pieces] == [True] * (len(sizes) - 1) + [False]
+    return store, spill, everything
+
+
+def test_rows_read_in_place_equal_the_rows_written(tmp_path):
+    store, spill, everything = mixed_store(tmp_path)
+    dest = torch.empty(everything.numel() * 4, dtype=torch.uint8)
+    store.read_into(store.pieces, dest)
+    assert torch.equal(dest.view(torch.float32).view(everything.shape), everything)
+    spill.close()
+
+
+def test_rows_read_in_place_are_checked(tmp_path):
+    store, spill, everything = mixed_store(tmp_path)
+    path = store.pieces[0].disk.file.path
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x01  # inside the first piece
+    path.write_bytes(bytes(data))
+    dest = torch.empty(everything.numel() * 4, dtype=torch.uint8)
+    with pytest.raises(StorageError, match="checksum"):
+        store.read_into(store.pieces, dest)
+    spill.close()
+
+
+@pytest.mark.parametrize("begin", [0, 2, 5, 9])
+@pytest.mark.parametrize("window", [1, 4, 6, 19])
+def test_windows_are_counted_from_begin_whatever_the_pieces(tmp_path, begin, window):
+    store, spill, everything = mixed_store(tmp_path)
+    end = everything.shape[1]
+    buffer = {}
+
+    def scratch(n: int) -> torch.Tensor:
+        buffer.setdefault(n, torch.empty(n, dtype=torch.uint8))
+        return buffer[n]
+
+    firsts, got = [], []
+    for first, part in store.load_windows(store.pieces_in(begin, end), begin, end, window, scratch):
+        firsts.append(first)
+        got.append(part.clone())  # a window's view lives until the next one
+    assert firsts == list(range(begin, end, window))
+    assert all(g.shape[1] == min(window, end - f) for f, g in zip(firsts, got))
+    assert torch.equal(torch.cat(got, dim=1), everything[:, begin:end])
+    assert len(buffer) == 1  # one buffer, reused for every window
+    spill.close()
+
+
+def test_a_changed_row_before_the_first_window_is_still_caught(tmp_path):
+    store, spill, everything = mixed_store(tmp_path)
+    path = store.pieces[0].disk.file.path
+    data = bytearray(path.read_bytes())
+    data[4] ^= 0x01  # row 0: before the window's begin, in the piece it starts in
+    path.write_bytes(bytes(data))
+    with pytest.raises(StorageError, match="checksum"):
+        list(
+            store.load_windows(
+                store.pieces_in(2, 19), 2, 19, 4, lambda n: torch.empty(n, dtype=torch.uint8)
+            )
+        )
+    spill.close()
+
+
 GREEDY = SamplingSettings(max_new_tokens=12)
 PROMPTS = ("Name three rivers.", "Which is longest?", "And the shortest?", "Thanks. Why?")
 TIGHT = CacheSettings(max_mem=10**6, prefill_chunk=16)  # K/V spill from the first turn
