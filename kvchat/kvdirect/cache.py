@@ -134,6 +134,7 @@ class CacheStats:
         self.step_scratch_bytes = 0  # largest scratch since the last forward call began
         self.spilled_bytes = 0  # bytes moved to disk (cumulative)
         self.disk_read_bytes = 0  # bytes read back from disk (cumulative)
+        self.rows_read_in_place = 0  # cold rows read straight into attention's buffer
 
     def note_scratch(self, n: int) -> None:
         self.scratch_peak_bytes = max(self.scratch_peak_bytes, n)
@@ -496,7 +497,7 @@ class KVDirectLayer(CacheLayerMixin):
         """K/V of the cold positions [begin, end) followed by the ``after`` K/V pairs, as
         views of one token-major buffer shared by every layer: the stored rows are read into
         it as they lie on disk, so nothing regathers them head-major. SDPA takes the strided
-        views and gives bit-identical results (tests/kvdirect/test_cache_exact.py); whole
+        views and gives bit-identical results (tests/kvdirect/test_tiers.py); whole
         pieces are read, so a piece that starts before ``begin`` leads the buffer."""
         pieces = self.store.pieces_in(begin, end)
         lead = begin - pieces[0].start
@@ -513,6 +514,7 @@ class KVDirectLayer(CacheLayerMixin):
         stats = self.owner.stats
         stats.read_seconds += time.perf_counter() - t0
         stats.disk_read_bytes += self.store.read_bytes(pieces)
+        stats.rows_read_in_place += stored
         both = flat.view(1, rows, 2, heads, dim)
         at = lead + (end - begin)
         for k, v in after:
