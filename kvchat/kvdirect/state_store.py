@@ -323,6 +323,8 @@ class RowStore:
         filled = 0  # rows of the current window in ``flat``
         window_first = begin
         for piece in pieces:
+            if piece.width != width or piece.dtype != dtype:
+                raise ValueError(f"layer {self.layer_idx}: pieces of one window differ in layout")
             hasher = xxhash.xxh3_64() if piece.resident is None else None
             bounds = sorted(
                 {piece.start, piece.end}
