@@ -94,35 +94,6 @@ def unpack_kv(rows: torch.Tensor, heads: int, dim: int) -> tuple[torch.Tensor, t
     return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
 
 
-def adjacent_blocks(
-    pieces: list[Piece], rows: list[torch.Tensor]
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """(first position, rows) of runs of ``pieces`` whose token-major ``rows`` lie back to
-    back in one storage, each run as one view of it."""
-    i = 0
-    while i < len(rows):
-        j = i
-        while (
-            j + 1 < len(rows)
-            and rows[j + 1].dtype == rows[i].dtype
-            and rows[j + 1].is_contiguous()
-            and rows[j].is_contiguous()
-            and rows[j + 1].untyped_storage().data_ptr() == rows[i].untyped_storage().data_ptr()
-            and rows[j + 1].data_ptr() == rows[j].data_ptr() + nbytes(rows[j])
-        ):
-            j += 1
-        if j == i:
-            yield pieces[i].start, rows[i]
-        else:
-            total = sum(r.shape[1] for r in rows[i : j + 1])
-            width = rows[i].shape[-1]
-            block = rows[i].as_strided(
-                (1, total, width), (total * width, width, 1), rows[i].storage_offset()
-            )
-            yield pieces[i].start, block
-        i = j + 1
-
-
 class CacheStats:
     """Counters the accounting snapshot reads."""
 
@@ -226,7 +197,7 @@ class KVDirectLayer(CacheLayerMixin):
         visible_from = 0 if not self.is_sliding else max(0, start - self.sliding_window + 1)
         hot_from = start - self.hot_length
         parts_k, parts_v = [], []
-        in_place = False  # the cold rows are read straight into attention's buffer
+        in_place: list[Piece] = []  # cold pieces read straight into attention's buffer
         self.pending_cold = None
         if visible_from < hot_from:
             if self.owner.stream_chunk is not None:
@@ -244,17 +215,19 @@ class KVDirectLayer(CacheLayerMixin):
                     )
                 self.pending_cold = (visible_from, hot_from)
                 module._kvdirect_layer = self
-            elif self._reads_in_place(visible_from, hot_from, key_states):
-                in_place = True
             else:
-                for cold_k, cold_v in self.iter_cold_kv(visible_from, hot_from, READ_CHUNK_ROWS):
+                in_place = self._in_place_pieces(visible_from, hot_from, key_states)
+                cold = (
+                    [] if in_place else self.iter_cold_kv(visible_from, hot_from, READ_CHUNK_ROWS)
+                )
+                for cold_k, cold_v in cold:
                     parts_k.append(cold_k)
                     parts_v.append(cold_v)
         skip = max(0, visible_from - hot_from)  # hot tokens a sliding layer can no longer see
         hot_k, hot_v = self.keys[..., skip:, :], self.values[..., skip:, :]
         if in_place:
             full_k, full_v = self._token_major(
-                visible_from, hot_from, [(hot_k, hot_v), (key_states, value_states)]
+                in_place, visible_from, hot_from, [(hot_k, hot_v), (key_states, value_states)]
             )
         elif parts_k:
             # Into buffers reused by every layer and step: attention reads them before the
@@ -273,7 +246,7 @@ class KVDirectLayer(CacheLayerMixin):
             }
             scratch = nbytes(full_k) + nbytes(full_v) + sum(held.values())
             self.owner.stats.note_scratch(scratch)
-        had_cold = in_place or bool(parts_k)
+        had_cold = bool(in_place or parts_k)
         del parts_k, parts_v
 
         self.cumulative_length = start + new_len
@@ -454,9 +427,10 @@ class KVDirectLayer(CacheLayerMixin):
             if streamed:
                 yield from self._kv_windows(pieces, device, begin, end, chunk_rows)
                 return
-            yield from self._kv_blocks(pieces, device, begin, end)
-            return
-        scratch = None
+            chunk_rows = None  # K/V rows: one read per run of adjacent pieces, no replay
+            scratch = self.owner.read_buffer
+        else:
+            scratch = None
         i = 0
         while i < len(pieces):
             j, rows = i + 1, pieces[i].rows
@@ -483,23 +457,29 @@ class KVDirectLayer(CacheLayerMixin):
             yield from out
             i = j
 
-    def _reads_in_place(self, begin: int, end: int, key_states: torch.Tensor) -> bool:
-        """Whether the cold rows [begin, end) can be read straight into attention's buffer:
-        all of them K/V rows of the model's dtype, on CPU (see ``_token_major``)."""
+    def _in_place_pieces(self, begin: int, end: int, key_states: torch.Tensor) -> list[Piece]:
+        """The pieces of cold rows [begin, end) if they can be read straight into
+        attention's buffer (all K/V rows of the model's dtype, on CPU; see
+        ``_token_major``), else none."""
         if key_states.device.type != "cpu":
-            return False
+            return []
         pieces = self.store.pieces_in(begin, end)
-        return bool(pieces) and all(p.form == "kv" and p.dtype == key_states.dtype for p in pieces)
+        if all(p.form == "kv" and p.dtype == key_states.dtype for p in pieces):
+            return pieces
+        return []
 
     def _token_major(
-        self, begin: int, end: int, after: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        pieces: list[Piece],
+        begin: int,
+        end: int,
+        after: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the cold positions [begin, end) followed by the ``after`` K/V pairs, as
-        views of one token-major buffer shared by every layer: the stored rows are read into
-        it as they lie on disk, so nothing regathers them head-major. SDPA takes the strided
-        views and gives bit-identical results (tests/kvdirect/test_tiers.py); whole
-        pieces are read, so a piece that starts before ``begin`` leads the buffer."""
-        pieces = self.store.pieces_in(begin, end)
+        """K/V of the cold positions [begin, end) (held by ``pieces``) followed by the
+        ``after`` K/V pairs, as views of one token-major buffer shared by every layer: the
+        stored rows are read into it as they lie on disk, so nothing regathers them. SDPA
+        takes the strided views and gives bit-identical results (tests/kvdirect/test_tiers.py);
+        whole pieces are read, so a piece that starts before ``begin`` leads the buffer."""
         lead = begin - pieces[0].start
         stored = pieces[-1].end - pieces[0].start
         tail = sum(k.shape[-2] for k, _ in after)
@@ -524,24 +504,6 @@ class KVDirectLayer(CacheLayerMixin):
             at += n
         visible = both[:, lead:at]
         return visible[:, :, 0].transpose(1, 2), visible[:, :, 1].transpose(1, 2)
-
-    def _kv_blocks(
-        self, pieces: list[Piece], device: torch.device, begin: int, end: int
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """K/V pieces read in one go into the shared read buffer and handed on as few
-        blocks as their placement allows: pieces that lie back to back in memory become one
-        view. One large copy into attention's buffer costs a fraction of one small copy per
-        piece (each small copy opens its own parallel region)."""
-        stats = self.owner.stats
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            rows = self.store.load(pieces, device, self.owner.read_buffer)
-        stats.disk_read_bytes += self.store.read_bytes(pieces)
-        stats.read_seconds += time.perf_counter() - t0
-        for first, block in adjacent_blocks(pieces, rows):
-            k, v = unpack_kv(block, self.kv_heads, self.head_dim)
-            lo, hi = max(begin, first) - first, min(end, first + block.shape[1]) - first
-            yield k[..., lo:hi, :], v[..., lo:hi, :]
 
     def _kv_windows(
         self, pieces: list[Piece], device: torch.device, begin: int, end: int, chunk_rows: int
@@ -748,11 +710,7 @@ class KVDirectCache(Cache):
         shape = (*first.shape[:-2], rows, first.shape[-1])
         flat = self._buffer(name, math.prod(shape), first.dtype, first.device)
         out = flat.view(shape)
-        at = 0
-        for part in parts:  # few, large parts: a copy each beats torch.cat's per-part path
-            n = part.shape[-2]
-            out[..., at : at + n, :].copy_(part)
-            at += n
+        torch.cat(parts, dim=-2, out=out)
         return out
 
     def release_buffers(self, names: tuple[str, ...] | None = None) -> None:

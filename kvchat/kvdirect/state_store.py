@@ -247,34 +247,24 @@ class RowStore:
 
     def read_into(self, pieces: list[Piece], dest: torch.Tensor) -> None:
         """Rows of ``pieces`` (consecutive K/V pieces of one width and dtype) into ``dest``,
-        a flat uint8 CPU tensor of exactly their bytes, in position order: pieces adjacent
-        in one file with one read, each checked against its digest; resident rows copied."""
-        at = 0
-        i = 0
-        while i < len(pieces):
-            piece = pieces[i]
-            size = piece.rows * piece.row_bytes
-            if piece.resident is not None:
-                rows = piece.resident.detach()
-                dest[at : at + size].view(rows.dtype).view(rows.shape).copy_(rows)
-                at += size
-                i += 1
-                continue
-            j = i + 1
-            while (
-                j < len(pieces)
-                and pieces[j].resident is None
-                and pieces[j].disk.file is piece.disk.file
-                and pieces[j].disk.offset == pieces[j - 1].disk.offset + pieces[j - 1].disk.nbytes
-            ):
-                j += 1
-            total = sum(p.disk.nbytes for p in pieces[i:j])
-            piece.disk.file.read_into(tensor_view(dest[at : at + total]), piece.disk.offset)
-            for p in pieces[i:j]:
-                n = p.disk.nbytes
-                self._check(p, xxhash.xxh3_64_intdigest(tensor_view(dest[at : at + n])))
-                at += n
-            i = j
+        a flat uint8 CPU tensor of exactly their bytes, in position order: those on disk
+        read (``read_rows``: one call per run adjacent in a file) and checked against their
+        digests, resident ones (a suffix, see the class) copied behind them."""
+        first_resident = next(
+            (i for i, p in enumerate(pieces) if p.resident is not None), len(pieces)
+        )
+        on_disk = pieces[:first_resident]
+        size = sum(p.disk.nbytes for p in on_disk)
+        if on_disk:
+            for p, rows in zip(on_disk, read_rows([p.disk for p in on_disk], "cpu", dest[:size])):
+                self._check(p, digest_of(rows))
+        at = size
+        for p in pieces[first_resident:]:
+            if p.resident is None:
+                raise ValueError(f"layer {self.layer_idx}: a piece on disk after resident ones")
+            n = p.resident_bytes
+            dest[at : at + n].view(p.dtype).view(p.resident.shape).copy_(p.resident.detach())
+            at += n
         if at != dest.numel():
             raise ValueError(f"layer {self.layer_idx}: read {at} of {dest.numel()} bytes")
 

@@ -160,13 +160,14 @@ def streamed_attention(
     def rows_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
         return mask if mask is None or groups == 1 else mask.repeat(1, 1, groups, 1)
 
+    state: list[torch.Tensor | None] = [None, None] if fused else [None, None, None]
+
     def fold(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
         if fused:
             _fold_block(state, *_fused_block(folded, k, v, rows_mask(mask), scaling))
         else:
             _online_update(state, folded, k, v, rows_mask(mask), scaling)
 
-    state: list[torch.Tensor | None] = [None, None] if fused else [None, None, None]
     column = 0
     stats = layer.owner.stats
     owner = layer.owner
