@@ -87,25 +87,39 @@ def convert_gguf(gguf: Path, target: Path, sha256: str, say: Progress) -> None:
 
 
 def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
-    try:
-        import accelerate  # noqa: F401  (transformers needs it to load a GGUF)
-    except ImportError:
-        raise ModelLoadError(
-            "converting a .gguf needs the `accelerate` package; run `pip install accelerate`"
-        ) from None
+    """Config, float32 weights and tokenizer of ``gguf``, written into ``out``.
+
+    transformers' own GGUF loader (``load_gguf_checkpoint``: dequantize, undo llama.cpp's
+    Q/K permutation, map names) fills a skeleton whose parameters take no memory.
+    ``from_pretrained(gguf_file=...)`` would compute the same tensors
+    (tests/models/test_models.py) but refuses to run without accelerate, which it does not
+    use for this, and which would then be imported by every chat process.
+    """
     import safetensors.torch
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from kvchat.models.meta_init import parameters_on_meta
 
     with quiet_transformers(), _gguf_progress(say):
         say("reading the GGUF tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         say("dequantizing the GGUF weights")
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        tensors = load_gguf_checkpoint(
+            str(gguf), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+        )["tensors"]
+        model.load_state_dict(tensors, strict=False, assign=True)
+        del tensors
+        model.tie_weights()
+        missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+        if missing:
+            raise ValueError(f"the GGUF lacks {len(missing)} weights, e.g. {missing[0]}")
         say("writing safetensors")
         model.config.save_pretrained(out)
         if model.generation_config is not None:

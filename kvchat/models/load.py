@@ -109,8 +109,10 @@ def load_model(
             kwargs: dict[str, Any] = {"dtype": torch_dtype}
             if key_mapping is not None:
                 kwargs.update(config=config, key_mapping=key_mapping)
-            if dev.type != "cpu":
-                kwargs["device_map"] = str(dev)  # stream weights straight to the device
+            if dev.type != "cpu" and _accelerate_installed():
+                # Streams the weights straight to the device; transformers needs accelerate
+                # for any device_map. Without it they load on the CPU and move (below).
+                kwargs["device_map"] = str(dev)
             try:
                 model = AutoModelForCausalLM.from_pretrained(
                     path, attn_implementation="sdpa", **kwargs
@@ -142,6 +144,12 @@ def load_model(
             "a smaller model, or --device cpu"
         ) from None
     return model, tokenizer
+
+
+def _accelerate_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
 
 
 def weights_label(weights: str) -> str:

@@ -5,7 +5,7 @@ Two passes, both holding at most one float tensor at a time:
 1. once per (model files, mode): the float weights are read tensor by tensor (no memory
    map, see ``weights_file``), each Linear weight quantized (``qlinear``), and the small form
    streamed to ``<cache>/weights/<model>-<hash>/<mode>.safetensors``; later loads skip this;
-2. an empty model skeleton (accelerate's ``init_empty_weights``: parameters on the meta
+2. an empty model skeleton (``meta_init.parameters_on_meta``: parameters on the meta
    device, buffers real) gets the small form's tensors, quantized Linears replaced by
    ``Int8Linear`` / ``Int4Linear``, the embedding by ``Int8Embedding``.
 
@@ -28,6 +28,7 @@ from torch import nn
 
 from kvchat.models import qlinear
 from kvchat.models.heap import return_freed_memory
+from kvchat.models.meta_init import parameters_on_meta
 from kvchat.models.weights_file import TensorWriter, read_header, read_tensors
 
 FORMAT = "kvchat-weights-1"
@@ -79,10 +80,9 @@ def _is_small_form(path: Path, mode: str) -> bool:
 
 
 def _skeleton(config: Any, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
-    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights(include_buffers=False):
+    with parameters_on_meta():
         try:
             return AutoModelForCausalLM.from_config(
                 config, dtype=dtype, attn_implementation=attn_implementation

@@ -330,6 +330,13 @@ def test_gguf_is_converted_once(
     assert second == first and again == []
 
     # The converted directory computes exactly what transformers' own GGUF load computes.
+    # That load refuses to start without accelerate, which it then never calls; kvchat does
+    # not depend on accelerate (an installed one costs every chat process ~27 MiB).
+    import transformers.modeling_utils
+
+    monkeypatch.setattr(
+        transformers.modeling_utils, "is_accelerate_available", lambda *_a, **_k: True
+    )
     model, tokenizer = load_model(second)
     reference = AutoModelForCausalLM.from_pretrained(
         tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32

@@ -1,0 +1,39 @@
+"""Build a model skeleton whose parameters take no memory, buffers real (rotary tables).
+
+The skeleton gets its weights afterwards, one tensor at a time (``quantized_load``, the
+GGUF conversion). This is what accelerate's ``init_empty_weights(include_buffers=False)``
+does; kvchat keeps its own dozen lines because an installed accelerate is imported by every
+``transformers.modeling_utils`` import (~27 MiB of RSS in the chat process), and the
+skeleton was the only thing kvchat used it for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["parameters_on_meta"]
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every ``nn.Parameter`` registered inside moves to the meta device as it is registered.
+
+    ``torch.device("meta")`` as a default device would put buffers there too, and a buffer
+    computed in ``__init__`` (RoPE's ``inv_freq``) cannot be recovered from a meta tensor.
+    Each parameter is allocated for an instant before it moves: one layer's weight at most.
+    """
+    from torch import nn
+
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
