@@ -5,7 +5,7 @@ conversion of that GGUF for the others), the same ~500-token prompt of real text
 tokens of ``kvchat.lab.texts.STORY``, fed as token ids to every engine), 64 greedy tokens,
 the same thread count. Every measurement runs in a process of its own, as a user would run
 the engine, so RSS is the engine's whole process (python, libraries, weights, state) after
-the reply, and peak RSS the most it held at any time, loading included (``ru_maxrss``).
+the reply, and peak RSS the most it held at any time, loading included (``VmHWM``).
 Repeats are interleaved, rotating the order, and medians reported.
 
 Rows:
@@ -24,7 +24,9 @@ Rows:
   (install the wheel in ../shared/peers/).
 
 Then the contention figure: kvchat's default decode with one competing CPU-bound process
-running, against quiet, in neighbouring runs.
+running, against quiet, in neighbouring runs; for the default wait (passive after a spin of
+``GOMP_SPINCOUNT=1000``, see ``kvchat.models.threads``) and for a purely passive one
+(``GOMP_SPINCOUNT=0``), which shows why the spin is there.
 
 Prefill tok/s = prompt tokens / time to the first token; decode tok/s = 63 / time from the
 first to the 64th token. The machine is shared: its load average is printed at the start and
@@ -87,11 +89,20 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def peak_rss_bytes() -> int:
-    """The process's highest RSS so far (loading included), as the kernel counted it."""
-    import resource
+def peak_rss_bytes() -> int | None:
+    """The process's highest RSS so far (loading included), as the kernel counted it.
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    ``VmHWM`` belongs to this process image; ``ru_maxrss`` would not do, because it survives
+    ``execve`` and so starts at the driver's RSS at the fork. None off Linux.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
@@ -189,7 +200,15 @@ def one(args: argparse.Namespace) -> None:
 
 
 # -- the driver ------------------------------------------------------------------------------
-def run_one(name: str, args: argparse.Namespace, competitor: bool = False) -> dict[str, Any]:
+WAITS = {
+    "default wait (passive, GOMP_SPINCOUNT=1000)": {},
+    "purely passive wait (GOMP_SPINCOUNT=0)": {"GOMP_SPINCOUNT": "0"},
+}
+
+
+def run_one(
+    name: str, args: argparse.Namespace, competitor: bool = False, env: dict | None = None
+) -> dict[str, Any]:
     cmd = [
         sys.executable, __file__, "--one", name, "--model-dir", args.model_dir,
         "--gguf", args.gguf or "", "--ids-file", args.ids_file,
@@ -201,7 +220,9 @@ def run_one(name: str, args: argparse.Namespace, competitor: bool = False) -> di
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         time.sleep(0.5)
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})}
+        )
     finally:
         if busy is not None:
             busy.kill()
@@ -246,6 +267,10 @@ def llama_available() -> str | None:
     if probe.returncode != 0:
         return "llama_cpp is not importable (pip install ../shared/peers/llama_cpp_python-*.whl)"
     return None
+
+
+def peak_label(peak: float) -> str:
+    return "-" if peak != peak else harness.human_bytes(peak)  # NaN: no VmHWM here
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -318,14 +343,22 @@ def main() -> None:
 
     contention = None
     if not args.no_contention:
-        quiet, busy = [], []
+        samples: dict[str, dict[str, list[float]]] = {w: {"quiet": [], "busy": []} for w in WAITS}
         for _ in range(2):
-            quiet.append(run_one("kvchat (default)", args)["decode_tps"])
-            busy.append(run_one("kvchat (default)", args, competitor=True)["decode_tps"])
+            for wait, env_of_wait in WAITS.items():
+                for state in ("quiet", "busy"):
+                    result = run_one(
+                        "kvchat (default)", args, competitor=state == "busy", env=env_of_wait
+                    )
+                    samples[wait][state].append(result["decode_tps"])
+                    harness.say(f"{wait}, {state}: decode {result['decode_tps']:.1f} tok/s")
         contention = {
-            "quiet_decode_tps": quiet,
-            "busy_decode_tps": busy,
-            "ratio": harness.median_ratio(busy, quiet),
+            wait: {
+                "quiet_decode_tps": got["quiet"],
+                "busy_decode_tps": got["busy"],
+                "ratio": harness.median_ratio(got["busy"], got["quiet"]),
+            }
+            for wait, got in samples.items()
         }
 
     headers = ["engine", "prefill tok/s", "decode tok/s", "RSS", "peak RSS", "decode vs generate",
@@ -342,7 +375,7 @@ def main() -> None:
         m = med[name]
         row = [
             name, f"{m['prefill_tps']:.0f}", f"{m['decode_tps']:.1f}",
-            harness.human_bytes(m["rss_bytes"]), harness.human_bytes(m["peak_rss_bytes"]),
+            harness.human_bytes(m["rss_bytes"]), peak_label(m["peak_rss_bytes"]),
         ]  # fmt: skip
         for base in [HF] + ([same] if peer else []):
             b = med[base]
@@ -367,11 +400,12 @@ def main() -> None:
         )
     if not peer:
         print(f"llama.cpp rows skipped: {why_not}")
-    if contention is not None:
+    for wait, got in (contention or {}).items():
+        quiet = ", ".join(f"{v:.1f}" for v in got["quiet_decode_tps"])
+        busy = ", ".join(f"{v:.1f}" for v in got["busy_decode_tps"])
         print(
-            f"contention: kvchat default decode with one competing CPU-bound process = "
-            f"{contention['ratio']:.2f}x quiet (quiet {contention['quiet_decode_tps']}, busy "
-            f"{contention['busy_decode_tps']} tok/s)"
+            f"contention, {wait}: kvchat default decode with one competing CPU-bound process "
+            f"= {got['ratio']:.2f}x quiet (quiet {quiet}; busy {busy} tok/s)"
         )
     try:
         print(f"load average: start {env['loadavg_at_start']}, end {os.getloadavg()}")

@@ -7,7 +7,6 @@ How they time, repeat, summarise and write JSON is ``kvchat.lab.harness``, the h
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -20,8 +19,11 @@ from typing import Any
 # spin against each other's time slices: a SmolLM2 decode step measured 2000 ms median
 # instead of 70 ms on this machine while two test suites ran beside it (and 95 vs 70 ms at
 # a load average of ~1.3). Not compared on an idle machine (none was available): run with
-# OMP_WAIT_POLICY=ACTIVE to see. An explicit setting in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OMP_WAIT_POLICY=ACTIVE to see. An explicit setting in the environment wins. With it, the
+# short spin kvchat itself sets (GOMP_SPINCOUNT, see kvchat.models.threads).
+from kvchat.models.threads import prefer_passive_wait  # noqa: E402  (imports no torch)
+
+prefer_passive_wait()
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "smollm2-135m"

@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 
-# Before any test imports torch (libgomp reads it once): OpenMP threads that wait passively,
-# so a suite sharing the machine with other work does not spin against it. See
-# kvchat.models.threads; an explicit OMP_WAIT_POLICY in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before any test imports torch (libgomp reads it once): OpenMP threads that wait passively
+# after a short spin, so a suite sharing the machine with other work does not spin against
+# it. See kvchat.models.threads; an explicit setting in the environment wins.
+from kvchat.models.threads import prefer_passive_wait  # noqa: E402  (imports no torch)
+
+prefer_passive_wait()
 
 
 def pytest_addoption(parser):

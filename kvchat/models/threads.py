@@ -1,13 +1,23 @@
-"""CPU threads that share the machine: passive OpenMP waiting, one thread per physical core.
+"""CPU threads that share the machine: passive OpenMP waiting after a short spin, one thread
+per physical core.
 
 Why: torch's OpenMP threads spin while they wait for work by default. On a machine where
 anything else is busy (a browser, a compiler, another kvchat), spinning threads burn the
 time slices the working threads need; measured here with one competing CPU-bound process on
 2 cores, SmolLM2 decode fell to 0.55 tok/s with spinning and kept 8.4 tok/s with
-``OMP_WAIT_POLICY=PASSIVE``. libgomp reads the variable once, when torch's library loads, so
-:func:`prefer_passive_wait` must run before the first ``import torch``; it does nothing when
-the user set the variable. Hyper-threads share one core's vector units, so more threads than
-physical cores only adds contention for GEMV-bound decode.
+``OMP_WAIT_POLICY=PASSIVE``. But a purely passive thread sleeps between every two parallel
+regions, and on a quiet machine each wake-up costs tens of microseconds (idle cores sleep
+deeply): a decode step runs a few hundred short regions, and decode measured 10-16 tok/s
+passive against 23-26 with a spin of 1000 rounds before sleeping (``GOMP_SPINCOUNT``), which
+bridges the gap between two regions of one step and gives the core up soon after. Longer
+spins are faster when quiet and collapse under contention (3000: 34 tok/s quiet, 0.3x of
+that busy; 10000: 0.15x); 1000 kept 0.65x busy. ``python benchmarks/bench_peers.py`` shows
+both waits, quiet and busy, in one run.
+
+libgomp reads both variables once, when torch's library loads, so :func:`prefer_passive_wait`
+must run before the first ``import torch``; a policy or spin count the user set wins.
+Hyper-threads share one core's vector units, so more threads than physical cores only adds
+contention for GEMV-bound decode.
 
 This module imports neither torch nor psutil at import time.
 """
@@ -16,18 +26,24 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["apply_threads", "default_threads", "prefer_passive_wait"]
+__all__ = ["SPIN_COUNT", "apply_threads", "default_threads", "prefer_passive_wait"]
+
+
+SPIN_COUNT = "1000"  # rounds a waiting OpenMP thread spins before it sleeps (see above)
 
 
 def prefer_passive_wait() -> bool:
-    """Set ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a policy.
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a policy, and with a passive
+    policy ``GOMP_SPINCOUNT`` = :data:`SPIN_COUNT` unless the user chose a count.
 
     Returns False when torch was already imported (the setting then comes too late for this
     process; it still reaches child processes).
     """
     import sys
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    policy = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if policy.strip().upper() == "PASSIVE":
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     return "torch" not in sys.modules
 
 

@@ -27,6 +27,26 @@ def test_passive_wait_is_set_unless_the_user_chose(monkeypatch: pytest.MonkeyPat
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
+def test_a_passive_wait_spins_briefly_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvchat.models.threads import SPIN_COUNT
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    prefer_passive_wait()
+    assert os.environ["GOMP_SPINCOUNT"] == SPIN_COUNT == "1000"
+
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")  # the user's count wins
+    prefer_passive_wait()
+    assert os.environ["GOMP_SPINCOUNT"] == "0"
+
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # an active policy spins as it likes
+    prefer_passive_wait()
+    assert "GOMP_SPINCOUNT" not in os.environ
+
+
 def test_default_threads_are_the_physical_cores_we_may_use() -> None:
     physical = psutil.cpu_count(logical=False) or os.cpu_count()
     assert default_threads() == min(physical, len(os.sched_getaffinity(0)))
@@ -45,7 +65,7 @@ def test_apply_threads_sets_torch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cli_entry_sets_passive_wait_before_torch_loads() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     probe = (
         "import sys, os\n"
         "sys.argv = ['kvchat', '--help']\n"
@@ -54,13 +74,14 @@ def test_cli_entry_sets_passive_wait_before_torch_loads() -> None:
         "    main()\n"
         "except SystemExit:\n"
         "    pass\n"
-        "print('POLICY', os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+        "print('POLICY', os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'),"
+        " 'torch' in sys.modules)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60
     )
     # set, and torch not even imported for --help (it stays instant)
-    assert "POLICY PASSIVE False" in out.stdout, out.stderr
+    assert "POLICY PASSIVE 1000 False" in out.stdout, out.stderr
 
 
 def test_threads_option_is_offered() -> None:
