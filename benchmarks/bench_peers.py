@@ -23,6 +23,10 @@ Rows:
   with the conversation). Skipped, with a message, when ``llama_cpp`` is not importable
   (install the wheel in ../shared/peers/).
 
+kvchat's rows run with kvchat's own thread settings (``kvchat.models.threads``: passive
+OpenMP waits after a short spin); ``generate`` and llama.cpp (whose ggml also uses libgomp)
+run in the environment the benchmark was launched in, as their users run them.
+
 Then the contention figure: kvchat's default decode with one competing CPU-bound process
 running, against quiet, in neighbouring runs; for the default wait (passive after a spin of
 ``GOMP_SPINCOUNT=1000``, see ``kvchat.models.threads``) and for a purely passive one
@@ -206,6 +210,14 @@ WAITS = {
 }
 
 
+def child_env(name: str, wait: dict | None) -> dict[str, str]:
+    """kvchat rows run with kvchat's thread settings (``wait`` on top); the peers as their
+    users run them: the environment this benchmark was launched in, untouched."""
+    if name == HF or name.startswith(LLAMA):
+        return {**common.LAUNCH_ENV, common.AS_LAUNCHED: "1"}
+    return {**os.environ, **(wait or {})}
+
+
 def run_one(
     name: str, args: argparse.Namespace, competitor: bool = False, env: dict | None = None
 ) -> dict[str, Any]:
@@ -221,7 +233,7 @@ def run_one(
         time.sleep(0.5)
     try:
         out = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})}
+            cmd, capture_output=True, text=True, timeout=900, env=child_env(name, env)
         )
     finally:
         if busy is not None:
