@@ -48,9 +48,7 @@ def main() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     step("transformers' Llama modeling code")
-    from kvchat.chat.generate import generate
     from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import SamplingSettings
     from kvchat.lab.texts import STORY
     from kvchat.models.load import load
 
@@ -60,15 +58,7 @@ def main() -> None:
     )
     session = ChatSession(loaded)
     ids = loaded.tokenizer(STORY, add_special_tokens=False)["input_ids"][: args.context]
-    generate(
-        loaded.model,
-        session.cache,
-        ids,
-        device=loaded.device,
-        settings=SamplingSettings(max_new_tokens=args.new_tokens),
-        stop_ids=set(),
-        before_forward=session.before_forward,
-    )
+    common.stamped_generate(loaded, session, ids, args.new_tokens, chunk=256)
     state = session.cache.hot_bytes() + session.cache.checkpoint_bytes()
     step(f"one reply ({len(ids)} + {args.new_tokens} tokens; K/V {harness.human_bytes(state)})")
 
