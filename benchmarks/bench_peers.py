@@ -88,6 +88,8 @@ def given_ids(args: argparse.Namespace) -> list[int]:
 
 
 def rss_bytes() -> int:
+    """psutil directly, not ``kvchat.chat.memory``: the peers' processes import as little of
+    kvchat as they can, so their RSS stays theirs."""
     import psutil
 
     return psutil.Process().memory_info().rss
@@ -219,7 +221,7 @@ def child_env(name: str, wait: dict | None) -> dict[str, str]:
 
 
 def run_one(
-    name: str, args: argparse.Namespace, competitor: bool = False, env: dict | None = None
+    name: str, args: argparse.Namespace, competitor: bool = False, wait: dict | None = None
 ) -> dict[str, Any]:
     cmd = [
         sys.executable, __file__, "--one", name, "--model-dir", args.model_dir,
@@ -233,7 +235,7 @@ def run_one(
         time.sleep(0.5)
     try:
         out = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=900, env=child_env(name, env)
+            cmd, capture_output=True, text=True, timeout=900, env=child_env(name, wait)
         )
     finally:
         if busy is not None:
@@ -360,7 +362,7 @@ def main() -> None:
             for wait, env_of_wait in WAITS.items():
                 for state in ("quiet", "busy"):
                     result = run_one(
-                        "kvchat (default)", args, competitor=state == "busy", env=env_of_wait
+                        "kvchat (default)", args, competitor=state == "busy", wait=env_of_wait
                     )
                     samples[wait][state].append(result["decode_tps"])
                     harness.say(f"{wait}, {state}: decode {result['decode_tps']:.1f} tok/s")

@@ -144,8 +144,7 @@ def generate(
         outcome.decode_seconds = time.perf_counter() - t0
         outcome.last_logits = logits
     # The reply's transient buffers (prefill activations, the K/V tensors each step's cat
-    # replaced) sit in glibc's free heap otherwise: ~24 MiB of RSS held between turns after
-    # a 500-token prompt on the default model. A trim takes a few milliseconds.
+    # replaced) would otherwise sit in glibc's free heap, counted in RSS between turns.
     from kvchat.models.heap import return_freed_memory
 
     return_freed_memory()

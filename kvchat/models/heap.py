@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 __all__ = ["return_freed_memory"]
 
 
@@ -12,13 +15,26 @@ def return_freed_memory() -> None:
     tokenizer's build); glibc keeps freed heap for reuse, so RSS stayed ~160 MB above what
     the process holds (SmolLM2 int4: 665 MiB before, 504 MiB after). No-op off glibc.
     """
+    libc = _libc()
+    if libc is None:
+        return
+    try:
+        libc.malloc_trim(0)
+    except AttributeError:  # a C library without malloc_trim
+        pass
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    """The C library, found once: ``find_library`` asks ``ldconfig`` each time, and the trim
+    runs after every tensor of a quantized load and after every reply."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     if not name:
-        return
+        return None
     try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
