@@ -3,7 +3,7 @@
 The skeleton gets its weights afterwards, one tensor at a time (``quantized_load``, the
 GGUF conversion). This is what accelerate's ``init_empty_weights(include_buffers=False)``
 does; kvchat keeps its own dozen lines because an installed accelerate is imported by every
-``transformers.modeling_utils`` import (~27 MiB of RSS in the chat process), and the
+``transformers.modeling_utils`` import (RSS the chat process would carry), and the
 skeleton was the only thing kvchat used it for.
 """
 

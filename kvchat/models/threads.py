@@ -6,15 +6,14 @@ anything else is busy (a browser, a compiler, another kvchat), spinning threads 
 time slices the working threads need; measured here with one competing CPU-bound process on
 2 cores, SmolLM2 decode fell to 0.55 tok/s with spinning and kept 8.4 tok/s with
 ``OMP_WAIT_POLICY=PASSIVE``. But a purely passive thread sleeps between every two parallel
-regions, and on a quiet machine each wake-up costs tens of microseconds (idle cores sleep
-deeply): a decode step runs a few hundred short regions. A spin of 1000 rounds before
-sleeping (``GOMP_SPINCOUNT``) bridges the gap between two regions of one step and gives the
-core up soon after: in one-off trials decode ran 23-26 tok/s quiet against 10-16 purely
-passive. Longer spins are faster when quiet and collapse under contention (3000: 34 tok/s
-quiet, 0.3x of that busy; 10000: 0.15x). On this noisy machine the quiet gain showed in one
-run of ``python benchmarks/bench_peers.py`` and not in another, which prints both waits,
-quiet and beside a busy process; beside one, the purely passive wait is the faster of the
-two, and the spin kept 0.61x and 0.88x of its quiet speed.
+regions, and a decode step runs a few hundred short ones, each then paying a wake-up. A
+spin of 1000 rounds before sleeping (``GOMP_SPINCOUNT``) bridges the gap between two regions
+of one step and gives the core up soon after; longer spins were faster when quiet and much
+slower beside a busy process in trials. ``python benchmarks/bench_peers.py`` prints both
+waits, quiet and beside a busy process: on this noisy machine the quiet gain showed in one
+run and not in another; beside a busy process the purely passive wait was the faster of the
+two, and the spin kept 0.61x and 0.88x of its quiet speed (README "Threads that share the
+machine").
 
 libgomp reads both variables once, when torch's library loads, so :func:`prefer_passive_wait`
 must run before the first ``import torch``; a policy or spin count the user set wins.

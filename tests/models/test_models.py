@@ -331,7 +331,7 @@ def test_gguf_is_converted_once(
 
     # The converted directory computes exactly what transformers' own GGUF load computes.
     # That load refuses to start without accelerate, which it then never calls; kvchat does
-    # not depend on accelerate (an installed one costs every chat process ~27 MiB).
+    # not depend on accelerate (an installed one is imported by every chat process).
     import transformers.modeling_utils
 
     monkeypatch.setattr(
