@@ -100,7 +100,7 @@ class ChatSession:
             self.cache = DynamicCache(config=self.loaded.model.config)
             self.forms = None
         elif settings.kind == "kvdirect":
-            from kvchat.kvdirect.cache import KVDirectCache
+            from kvchat.kvdirect.cache import HOT_RESERVE_ROWS, KVDirectCache
             from kvchat.kvdirect.planner import Planner, choose_forms
 
             if forms is None and settings.max_mem is None and settings.hot_window is None:
@@ -111,6 +111,8 @@ class ChatSession:
             self.forms = forms
             self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window)
             self.cache.spill_root = self.spill_root
+            if settings.max_mem is None:
+                self.cache.hot_reserve = HOT_RESERVE_ROWS
             self.cache.attach()
             self.planner = Planner(
                 self.loaded.footprint, forms, settings.max_mem, settings.prefill_chunk
@@ -159,6 +161,16 @@ class ChatSession:
             return
         self.plan = self._plan(self.cache.get_seq_length() + n_new)
         self.cache.apply_plan(self.plan)
+
+    def _release_reserve(self) -> None:
+        """The rows decode reserved ahead go back once the reply is done (see
+        ``KVDirectCache.hot_reserve``), and so does the heap they leave free."""
+        release = getattr(self.cache, "release_reserve", None)
+        if release is not None and self.cache.hot_reserve:
+            from kvchat.models.heap import return_freed_memory
+
+            release()
+            return_freed_memory()
 
     def _note_state_peak(self) -> None:
         """Resident state as the last forward call left it, held all at once (hot K/V,
@@ -353,6 +365,7 @@ class ChatSession:
             self._cache_broken = True
             raise
         self._compute_seconds += time.perf_counter() - start
+        self._release_reserve()
         show(decoder.flush())  # a reply cut by length may end inside a held-back tail
         tail = stops.flush()
         if tail and on_text is not None:

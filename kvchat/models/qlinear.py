@@ -114,21 +114,21 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", parts["qweight"])
         self.register_buffer("scales", parts["scales"])
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self._kernel_scales = self._runtime_scales()
+        self.kernel_scales = self._runtime_scales()
 
     def _runtime_scales(self) -> torch.Tensor:
         return self.scales.to(torch.bfloat16) if self.qweight.is_cpu else self.scales
 
     def _apply(self, fn, recurse=True):  # keep the kernel's copy on the same device
         out = super()._apply(fn, recurse)
-        self._kernel_scales = self._runtime_scales()
+        self.kernel_scales = self._runtime_scales()
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.qweight.is_cpu:
             y = torch.ops.aten._weight_int8pack_mm(
-                rows.to(torch.bfloat16), self.qweight, self._kernel_scales
+                rows.to(torch.bfloat16), self.qweight, self.kernel_scales
             ).to(x.dtype)
             if self.refine_top:
                 self._refine(rows, y)

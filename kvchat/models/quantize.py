@@ -99,6 +99,9 @@ def quantize_weights(model: Any, weights: str) -> Any:
             bias = None if head.bias is None else head.bias.data
             head8 = qlinear.Int8Linear(parts, bias, qlinear.HEAD_REFINE_TOP)
             _set_module(model, names[id(head)], head8)
+    from kvchat.models.fused import fuse_siblings
+
+    fuse_siblings(model)  # CPU kernel layers only; a no-op elsewhere
     return model
 
 
@@ -109,11 +112,20 @@ def _set_module(model: Any, name: str, module: Any) -> None:
 
 def is_quantized(model: Any, *, bits: int | None = None) -> bool:
     """True if any layer holds quantized weights (of ``bits`` bits, if given)."""
+    from kvchat.models.fused import ProjectionGroup
     from kvchat.models.qlinear import Int4Linear, Int8Embedding, Int8Linear
 
-    kinds = {8: (Int8Linear, Int8Embedding), 4: (Int4Linear,)}
-    wanted = kinds[bits] if bits is not None else (Int8Linear, Int8Embedding, Int4Linear)
-    return any(isinstance(m, wanted) for m in model.modules())
+    def width(m: Any) -> int | None:
+        if isinstance(m, (Int8Linear, Int8Embedding)):
+            return 8
+        if isinstance(m, Int4Linear):
+            return 4
+        if isinstance(m, ProjectionGroup):
+            return 4 if m.int4 else 8
+        return None
+
+    found = {width(m) for m in model.modules()} - {None}
+    return bool(found) if bits is None else bits in found
 
 
 def inference_context(model: Any) -> contextlib.AbstractContextManager[Any]:

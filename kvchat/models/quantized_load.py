@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from kvchat.models import qlinear
+from kvchat.models.fused import fuse_siblings
 from kvchat.models.heap import return_freed_memory
 from kvchat.models.meta_init import parameters_on_meta
 from kvchat.models.weights_file import TensorWriter, read_header, read_tensors
@@ -199,6 +200,9 @@ def _load_small_form(
         raise ValueError(f"{path.name} lacks {len(missing)} weights, e.g. {missing[0]}")
     if device is not None and device.type != "cpu":
         model.to(device)  # the skeleton's own buffers (rotary tables)
+    else:
+        fuse_siblings(model)
+        return_freed_memory()  # the separate layers' kernel layouts, now stacked
     model.eval()
     return model
 

@@ -1,0 +1,170 @@
+"""Sibling projections that read one input, run as one quantized kernel call.
+
+A Llama-style layer calls ``q_proj``, ``k_proj`` and ``v_proj`` on the same tensor, then
+``gate_proj`` and ``up_proj`` on another. At one row per call (decode), each call of the
+CPU int4/int8 kernels is mostly fixed cost, and with two threads each is one more wake-up of
+a sleeping thread: stacking the siblings' weights along the output dimension turns seven
+calls per layer into four.
+
+Exactness: these kernels compute each output column from that column's weight rows alone,
+so a stacked call gives every member the bits it computes alone. That is not assumed: each
+group is built only after a check, on this machine's kernel, that its stacked outputs equal
+the separate ones bit for bit (at one row and at several); a group that fails stays unfused.
+
+How it plugs in without rewriting the model's attention: each member keeps its name and
+place (``self_attn.k_proj`` ...). The first member called on a tensor computes its own
+columns and those of every member after it, and hands the later ones theirs when they are
+called on the same tensor object; a member called on any other tensor (the cache's K/V
+replay calls ``k_proj`` and ``v_proj`` alone) computes from its own columns on. So the
+result never depends on call order, only the number of calls does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvchat.models.qlinear import GROUP, Int4Linear, Int8Linear
+
+# The group's name on the parent module, its members in the order they are stacked, and the
+# members a call may start from (each needs its own copy of the scales from there on; k_proj
+# is one because the cache's K/V replay calls k_proj and v_proj without q_proj). A call on
+# another member starts from the nearest one before it and drops the columns before its own.
+SIBLINGS = (
+    ("qkv_stacked", ("q_proj", "k_proj", "v_proj"), (0, 1)),
+    ("gate_up_stacked", ("gate_proj", "up_proj"), (0,)),
+)
+_CHECK_ROWS = (1, 3)
+
+__all__ = ["FusedProjection", "ProjectionGroup", "fuse_siblings"]
+
+
+class ProjectionGroup(nn.Module):
+    """The stacked weights of sibling projections, and the columns one call left for later
+    members."""
+
+    def __init__(
+        self, members: list[Int4Linear | Int8Linear], entries: tuple[int, ...] = (0,)
+    ) -> None:
+        super().__init__()
+        self.entries = entries
+        self.int4 = isinstance(members[0], Int4Linear)
+        self.in_features = members[0].in_features
+        widths = [m.out_features for m in members]
+        self.starts = [sum(widths[:i]) for i in range(len(widths) + 1)]
+        if self.int4:
+            self.register_buffer("packed", torch.cat([m.packed for m in members]))
+            scales = [m.scales_and_zeros for m in members]
+        else:
+            self.register_buffer("packed", torch.cat([m.qweight for m in members]))
+            scales = [m.kernel_scales for m in members]
+        # The kernels take contiguous scales: one tensor per first member (a few KB each).
+        for i in entries:
+            tail = torch.cat(scales[i:], dim=-2 if self.int4 else 0).contiguous()
+            self.register_buffer(f"scales_from_{i}", tail)
+        self.biased = [m.bias is not None for m in members]
+        for i, m in enumerate(members):
+            if m.bias is not None:
+                self.register_buffer(f"bias_{i}", m.bias.detach())
+        self._input: torch.Tensor | None = None
+        self._left: list[torch.Tensor | None] = [None] * len(members)
+
+    def columns(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``index``'s output for ``x`` ([rows, out] for [..., in])."""
+        if self._input is x and self._left[index] is not None:
+            out, self._left[index] = self._left[index], None
+            if all(t is None for t in self._left):
+                self._input = None
+            return out
+        entry = max(e for e in self.entries if e <= index)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        weight = self.packed[self.starts[entry] :]
+        scales = getattr(self, f"scales_from_{entry}")
+        if self.int4:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, GROUP, scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
+        y = y.to(x.dtype)
+        base = self.starts[entry]
+        parts = []
+        for i in range(index, len(self._left)):
+            part = y[:, self.starts[i] - base : self.starts[i + 1] - base]
+            if self.biased[i]:
+                part = part + getattr(self, f"bias_{i}").to(part.dtype)
+            parts.append(part)
+        self._left = [None] * (index + 1) + parts[1:]
+        self._input = x if len(parts) > 1 else None
+        return parts[0]
+
+    def forget(self) -> None:
+        self._input, self._left = None, [None] * len(self._left)
+
+
+class FusedProjection(nn.Module):
+    """One member of a :class:`ProjectionGroup`, in the place of the layer it replaces."""
+
+    def __init__(self, group: ProjectionGroup, index: int, name: str) -> None:
+        super().__init__()
+        # Not a submodule: the group is registered once, on the parent (its weights counted
+        # once by named_buffers and state_dict).
+        object.__setattr__(self, "group", group)
+        self.index = index
+        self.name = name
+        self.in_features = group.in_features
+        self.out_features = group.starts[index + 1] - group.starts[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.columns(self.index, x)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = "int4" if self.group.int4 else "int8"
+        return f"in={self.in_features}, out={self.out_features}, {kind}, stacked with siblings"
+
+
+def fuse_siblings(model: nn.Module) -> int:
+    """Stack every set of :data:`SIBLINGS` that are quantized CPU layers of one kind and pass
+    the bit-for-bit check; returns how many groups were made."""
+    made = 0
+    for parent in list(model.modules()):
+        for group_name, names, entries in SIBLINGS:
+            members = [getattr(parent, n, None) for n in names]
+            if not _fusable(members):
+                continue
+            group = ProjectionGroup(members, entries)
+            if not _same_bits(group, members):
+                continue
+            parent.add_module(group_name, group)
+            for i, name in enumerate(names):
+                setattr(parent, name, FusedProjection(group, i, name))
+            made += 1
+    return made
+
+
+def _fusable(members: list[nn.Module | None]) -> bool:
+    if any(m is None for m in members):
+        return False
+    kind = type(members[0])
+    if kind is Int4Linear:
+        ok = all(type(m) is Int4Linear and not m.portable for m in members)
+    elif kind is Int8Linear:
+        ok = all(type(m) is Int8Linear and m.qweight.is_cpu and not m.refine_top for m in members)
+    else:
+        return False
+    return ok and len({m.in_features for m in members}) == 1
+
+
+def _same_bits(group: ProjectionGroup, members: list[nn.Module]) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in _CHECK_ROWS:
+            x = torch.randn(rows, group.in_features, generator=generator)
+            alone = [m(x) for m in members]
+            for first in range(len(members)):
+                group.forget()
+                got = [group.columns(i, x) for i in range(first, len(members))]
+                if not all(torch.equal(a, b) for a, b in zip(alone[first:], got)):
+                    group.forget()
+                    return False
+    group.forget()
+    return True
