@@ -11,8 +11,10 @@ Repeats are interleaved, rotating the order, and medians reported.
 Rows:
 
 * ``kvchat (default)``: ``--weights auto`` (int4 for this model), the default KV-Direct
-  cache, kvchat's own ``generate`` loop; then ``--weights none`` (float32), ``--weights
-  int8`` and ``--dtype bfloat16``.
+  cache, kvchat's own ``generate`` loop (decode steps on one thread, as
+  ``kvchat.threads`` chooses for weights this small); the same with decode steps on
+  every core (``--decode-threads`` = ``--threads``); then ``--weights none`` (float32),
+  ``--weights int8`` and ``--dtype bfloat16``.
 * ``transformers generate``: ``model.generate`` with a ``DynamicCache`` on the float32
   weights (the dequantized GGUF), the prompt in one call.
 * ``llama.cpp``: llama-cpp-python's ``Llama.generate`` (top_k=1) on the GGUF, twice:
@@ -23,14 +25,15 @@ Rows:
   with the conversation). Skipped, with a message, when ``llama_cpp`` is not importable
   (install the wheel in ../shared/peers/).
 
-kvchat's rows run with kvchat's own thread settings (``kvchat.models.threads``: passive
+kvchat's rows run with kvchat's own thread settings (``kvchat.threads``: passive
 OpenMP waits after a short spin); ``generate`` and llama.cpp (whose ggml also uses libgomp)
 run in the environment the benchmark was launched in, as their users run them.
 
 Then the contention figure: kvchat's default decode with one competing CPU-bound process
-running, against quiet, in neighbouring runs; for the default wait (passive after a spin of
-``GOMP_SPINCOUNT=1000``, see ``kvchat.models.threads``) and for a purely passive one
-(``GOMP_SPINCOUNT=0``), which shows why the spin is there.
+running, against quiet, in neighbouring runs; for the default (decode steps on one thread)
+and for decode steps on every core, both with kvchat's wait (passive after a spin of
+``GOMP_SPINCOUNT=1000``, see ``kvchat.threads``). Earlier runs, which compared
+that wait with a purely passive one, are kept in ``docs/results/bench_peers/run-before-*.log``.
 
 Prefill tok/s = prompt tokens / time to the first token; decode tok/s = 63 / time from the
 first to the 64th token. The machine is shared: its load average is printed at the start and
@@ -57,8 +60,10 @@ import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
 
 from kvchat.lab import harness  # noqa: E402
 
+DECODE_ALL = "kvchat (default), decode on every core"
 KVCHAT_ROWS = {
     "kvchat (default)": {"dtype": "float32", "weights": "auto"},
+    DECODE_ALL: {"dtype": "float32", "weights": "auto", "decode_on_every_core": True},
     "kvchat --weights none": {"dtype": "float32", "weights": "none"},
     "kvchat --weights int8": {"dtype": "float32", "weights": "int8"},
     "kvchat --dtype bfloat16": {"dtype": "bfloat16", "weights": "none"},
@@ -117,9 +122,10 @@ def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
     from kvchat.chat.settings import SamplingSettings
     from kvchat.models.load import load
 
+    every_core = spec.get("decode_on_every_core", False)
     loaded = load(
         args.model_dir, device="cpu", dtype=spec["dtype"], weights=spec["weights"],
-        threads=args.threads,
+        threads=args.threads, decode_threads=args.threads if every_core else None,
     )  # fmt: skip
     session = ChatSession(loaded)
     ids = given_ids(args)
@@ -206,9 +212,13 @@ def one(args: argparse.Namespace) -> None:
 
 
 # -- the driver ------------------------------------------------------------------------------
-WAITS = {
-    "default wait (passive, GOMP_SPINCOUNT=1000)": {},
-    "purely passive wait (GOMP_SPINCOUNT=0)": {"GOMP_SPINCOUNT": "0"},
+# label -> (the kvchat row, environment on top of kvchat's own)
+CONTENTION = {
+    "default (decode steps on 1 thread, passive wait after GOMP_SPINCOUNT=1000)": (
+        "kvchat (default)",
+        {},
+    ),
+    "decode steps on every core (same wait)": (DECODE_ALL, {}),
 }
 
 
@@ -307,7 +317,7 @@ def main() -> None:
     parser.add_argument("--json", default="results/bench_peers.json")
     args = parser.parse_args()
     if args.threads is None:
-        from kvchat.models.threads import default_threads
+        from kvchat.threads import default_threads
 
         args.threads = default_threads()
     if args.one:
@@ -357,13 +367,11 @@ def main() -> None:
 
     contention = None
     if not args.no_contention:
-        samples: dict[str, dict[str, list[float]]] = {w: {"quiet": [], "busy": []} for w in WAITS}
+        samples = {w: {"quiet": [], "busy": []} for w in CONTENTION}
         for _ in range(2):
-            for wait, env_of_wait in WAITS.items():
+            for wait, (row, env_of_wait) in CONTENTION.items():
                 for state in ("quiet", "busy"):
-                    result = run_one(
-                        "kvchat (default)", args, competitor=state == "busy", wait=env_of_wait
-                    )
+                    result = run_one(row, args, competitor=state == "busy", wait=env_of_wait)
                     samples[wait][state].append(result["decode_tps"])
                     harness.say(f"{wait}, {state}: decode {result['decode_tps']:.1f} tok/s")
         contention = {
@@ -418,7 +426,7 @@ def main() -> None:
         quiet = ", ".join(f"{v:.1f}" for v in got["quiet_decode_tps"])
         busy = ", ".join(f"{v:.1f}" for v in got["busy_decode_tps"])
         print(
-            f"contention, {wait}: kvchat default decode with one competing CPU-bound process "
+            f"contention, {wait}: decode with one competing CPU-bound process "
             f"= {got['ratio']:.2f}x quiet (quiet {quiet}; busy {busy} tok/s)"
         )
     try:

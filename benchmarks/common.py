@@ -21,10 +21,10 @@ from typing import Any
 # instead of 70 ms on this machine while two test suites ran beside it (and 95 vs 70 ms at
 # a load average of ~1.3). Not compared on an idle machine (none was available): run with
 # OMP_WAIT_POLICY=ACTIVE to see. An explicit setting in the environment wins. With it, the
-# short spin kvchat itself sets (GOMP_SPINCOUNT, see kvchat.models.threads).
+# short spin kvchat itself sets (GOMP_SPINCOUNT, see kvchat.threads).
 # A benchmark measuring another engine as its users run it (llama.cpp's ggml and torch both
 # use libgomp) starts that child with AS_LAUNCHED=1 and the environment it was launched in.
-from kvchat.models.threads import prefer_passive_wait  # noqa: E402  (imports no torch)
+from kvchat.threads import prefer_passive_wait  # noqa: E402  (imports no torch)
 
 AS_LAUNCHED = "KVCHAT_BENCH_AS_LAUNCHED"
 LAUNCH_ENV = {k: v for k, v in os.environ.items() if k != AS_LAUNCHED}

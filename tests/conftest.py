@@ -15,8 +15,8 @@ import pytest
 
 # Before any test imports torch (libgomp reads it once): OpenMP threads that wait passively
 # after a short spin, so a suite sharing the machine with other work does not spin against
-# it. See kvchat.models.threads; an explicit setting in the environment wins.
-from kvchat.models.threads import prefer_passive_wait  # noqa: E402  (imports no torch)
+# it. See kvchat.threads; an explicit setting in the environment wins.
+from kvchat.threads import prefer_passive_wait  # noqa: E402  (imports no torch)
 
 prefer_passive_wait()
 

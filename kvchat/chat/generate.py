@@ -16,6 +16,7 @@ import torch
 from kvchat.chat.sampling import make_generator, next_token
 from kvchat.chat.settings import SamplingSettings
 from kvchat.errors import NeedsDiskTierError
+from kvchat.threads import rows_threads
 
 BeforeForward = Callable[[int], None]
 
@@ -52,7 +53,8 @@ def forward_ids(
     one for every step instead of building a tensor per token)."""
     if before_forward is not None:
         before_forward(input_ids.shape[1])
-    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    with rows_threads(input_ids.shape[1]):
+        out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1]
 
 

@@ -64,6 +64,7 @@ def load_from_options(opts: dict[str, Any], quiet: bool = False) -> LoadedModel:
         dtype=opts["dtype"],
         weights=opts["weights"],
         threads=opts.get("threads"),
+        decode_threads=opts.get("decode_threads"),
         progress=say,
     )
 

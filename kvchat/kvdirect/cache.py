@@ -62,6 +62,7 @@ from kvchat.errors import NeedsDiskTierError, StorageError
 from kvchat.kvdirect.disk_tier import DiskRows, RowFile, SpillArea
 from kvchat.kvdirect.planner import READ_CHUNK_ROWS
 from kvchat.kvdirect.state_store import Piece, RowStore, nbytes, sub_rows
+from kvchat.threads import rows_threads
 
 if TYPE_CHECKING:
     from kvchat.kvdirect.arch import ArchAdapter
@@ -628,11 +629,16 @@ class KVDirectLayer(CacheLayerMixin):
                 stop = group[-1].end
                 if len(group) == 1:
                     hidden = rows[i]
-                    key, value = adapter.project(idx, adapter.normalize(idx, hidden))
+                    # the thread count of the original call (it can change the bits)
+                    with rows_threads(hidden.shape[1]):
+                        key, value = adapter.project(idx, adapter.normalize(idx, hidden))
                 else:
                     hidden = torch.cat(rows[i : j + 1], dim=1)
                     normed = adapter.normalize(idx, hidden)
-                    parts = [adapter.project(idx, normed[:, r : r + 1]) for r in range(len(group))]
+                    with rows_threads(1):
+                        parts = [
+                            adapter.project(idx, normed[:, r : r + 1]) for r in range(len(group))
+                        ]
                     key = torch.cat([k for k, _ in parts], dim=1)
                     value = torch.cat([v for _, v in parts], dim=1)
                 positions = torch.arange(first, stop, device=hidden.device).unsqueeze(0)

@@ -19,21 +19,28 @@ def load(
     dtype: str = "float32",
     weights: str = "none",
     threads: int | None = None,
+    decode_threads: int | None = None,
     progress: Progress | None = None,
 ) -> LoadedModel:
     """Resolve ``spec`` (alias, repo id, directory or .gguf) and load it ready to chat.
 
     ``weights``: "none", "int8", "int4", or "auto" (see ``quantize.auto_weights``).
-    ``threads``: CPU threads for torch (default: physical cores, see ``models.threads``).
+    ``threads``: CPU threads for torch (default: physical cores, see ``kvchat.threads``).
+    ``decode_threads``: threads for single-row calls (default: ``decode_threads_for``).
     """
-    from kvchat.models.threads import apply_threads, prefer_passive_wait
+    from kvchat.threads import (
+        apply_threads,
+        decode_threads_for,
+        prefer_passive_wait,
+        set_decode_threads,
+    )
 
-    prefer_passive_wait()  # a no-op when torch is already loaded; see models.threads
+    prefer_passive_wait()  # a no-op when torch is already loaded; see kvchat.threads
     from kvchat.kvdirect.footprint import footprint_from_config
     from kvchat.models.heap import return_freed_memory
 
     say = progress or (lambda _msg: None)
-    apply_threads(threads)
+    threads = apply_threads(threads)
     resolved = resolve_model(spec, progress=say)
     if weights == "auto":
         weights = auto_weights(resolved.path, pick_device(device).type)
@@ -42,13 +49,15 @@ def load(
     return_freed_memory()
     param = next(model.parameters())
     dtype_name = str(getattr(model, "dtype", param.dtype)).removeprefix("torch.")
+    weights_bytes = weights_nbytes(model)
+    set_decode_threads(decode_threads or decode_threads_for(weights_bytes, threads))
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=resolved.name,
         device=param.device,
         dtype=dtype_name,
-        weights_bytes=weights_nbytes(model),
+        weights_bytes=weights_bytes,
         footprint=footprint_from_config(model.config, dtype_name),
         weights_mode=weights,
         path=resolved.path,

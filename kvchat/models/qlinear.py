@@ -23,14 +23,22 @@ At load, :func:`to_runtime` turns those into the kernel's own layout for the dev
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvchat.threads import every_thread
 
 GROUP = 32
 INT4_INNER_K_TILES = 2  # the CPU packing's only tile count for K % 64 == 32 shapes (576)
 
 HEAD_REFINE_TOP = 16
+# A layer whose weights are at least this big runs on every thread even in a one-thread
+# decode step (kvchat.threads): SmolLM2's 28 MB int8 head (its largest decoder layer is
+# 0.4 MB). Both kernels give the same bits on one thread as on two at one row.
+WIDE_BYTES = 8 * 2**20
 
 __all__ = [
     "GROUP",
@@ -115,6 +123,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", parts["scales"])
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.kernel_scales = self._runtime_scales()
+        self.wide = parts["qweight"].nbytes >= WIDE_BYTES
 
     def _runtime_scales(self) -> torch.Tensor:
         return self.scales.to(torch.bfloat16) if self.qweight.is_cpu else self.scales
@@ -127,9 +136,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.qweight.is_cpu:
-            y = torch.ops.aten._weight_int8pack_mm(
-                rows.to(torch.bfloat16), self.qweight, self.kernel_scales
-            ).to(x.dtype)
+            with every_thread() if self.wide else contextlib.nullcontext():
+                y = torch.ops.aten._weight_int8pack_mm(
+                    rows.to(torch.bfloat16), self.qweight, self.kernel_scales
+                ).to(x.dtype)
             if self.refine_top:
                 self._refine(rows, y)
         else:

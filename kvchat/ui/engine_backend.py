@@ -51,6 +51,7 @@ class EngineBackend:
             dtype=self.opts.get("dtype") or "float32",
             weights=self.opts.get("weights") or "none",
             threads=self.opts.get("threads"),
+            decode_threads=self.opts.get("decode_threads"),
             progress=progress,
         )
         self._loaded = loaded

@@ -80,12 +80,12 @@ def test_int8_quantizes_linears_and_one_shared_vocabulary_table() -> None:
         reference = model(ids).logits
     assert quantize_weights(model, "int8") is model
 
-    q_proj = model.model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, qlinear.Int8Linear) and is_quantized(model, bits=8)
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, qlinear.Int8Linear) and is_quantized(model, bits=8)
     assert not is_quantized(model, bits=4)
     # tied: the head and the embedding hold the very same int8 table, counted once
     assert model.lm_head.qweight is model.model.embed_tokens.qweight
-    assert tensor_nbytes(q_proj.qweight) == 128 * 128
+    assert tensor_nbytes(o_proj.qweight) == 128 * 128
     assert weights_nbytes(model) < before / 3
     with inference_context(model):
         logits = model(ids).logits

@@ -10,7 +10,16 @@ import psutil
 import pytest
 import torch
 
-from kvchat.models.threads import apply_threads, default_threads, prefer_passive_wait
+from kvchat.threads import (
+    SMALL_WEIGHTS,
+    apply_threads,
+    decode_threads_for,
+    default_threads,
+    prefer_passive_wait,
+    rows_threads,
+    set_decode_threads,
+    threads_for_rows,
+)
 
 
 def test_the_suite_itself_waits_passively() -> None:
@@ -30,7 +39,7 @@ def test_passive_wait_is_set_unless_the_user_chose(monkeypatch: pytest.MonkeyPat
 def test_a_passive_wait_spins_briefly_unless_the_user_chose(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvchat.models.threads import SPIN_COUNT
+    from kvchat.threads import SPIN_COUNT
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
@@ -91,3 +100,48 @@ def test_threads_option_is_offered() -> None:
 
     result = CliRunner().invoke(cli, ["run", "--help"])
     assert result.exit_code == 0 and "--threads" in result.output
+    assert "--decode-threads" in result.output
+
+
+def test_small_weights_decode_on_one_thread_others_on_all() -> None:
+    assert decode_threads_for(91 * 2**20, 2) == 1  # SmolLM2-135M int4
+    assert decode_threads_for(SMALL_WEIGHTS, 8) == 1
+    assert decode_threads_for(513 * 2**20, 2) == 2  # its float32 weights
+    assert decode_threads_for(2 * 2**30, 8) == 8
+
+
+def test_a_call_runs_on_the_count_of_its_rows_and_gives_the_old_count_back() -> None:
+    before = torch.get_num_threads()
+    try:
+        apply_threads(2)
+        set_decode_threads(1)
+        assert threads_for_rows(1) == 1 and threads_for_rows(256) == 2
+        torch.set_num_threads(2)
+        with rows_threads(1):
+            assert torch.get_num_threads() == 1
+            with rows_threads(7):  # a replay of a prefill chunk inside a decode step
+                assert torch.get_num_threads() == 2
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        set_decode_threads(None)
+        assert threads_for_rows(1) == 2
+        with pytest.raises(ValueError):
+            set_decode_threads(0)
+    finally:
+        set_decode_threads(None)
+        apply_threads(before)
+
+
+def test_loading_sets_the_decode_count(smollm2_dir) -> None:
+    from kvchat.models.load import load
+
+    before = torch.get_num_threads()
+    try:
+        loaded = load(str(smollm2_dir), weights="int4", threads=2)
+        assert loaded.weights_bytes <= SMALL_WEIGHTS
+        assert threads_for_rows(1) == 1 and threads_for_rows(2) == 2
+        load(str(smollm2_dir), weights="int4", threads=2, decode_threads=2)
+        assert threads_for_rows(1) == 2
+    finally:
+        set_decode_threads(None)
+        apply_threads(before)
