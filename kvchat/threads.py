@@ -9,11 +9,11 @@ time slices the working threads need; measured here with one competing CPU-bound
 regions, and a decode step runs a few hundred short ones, each then paying a wake-up. A
 spin of 1000 rounds before sleeping (``GOMP_SPINCOUNT``) bridges the gap between two regions
 of one step and gives the core up soon after; longer spins were faster when quiet and much
-slower beside a busy process in trials. ``python benchmarks/bench_peers.py`` prints both
-waits, quiet and beside a busy process: on this noisy machine the quiet gain showed in one
-run and not in another; beside a busy process the purely passive wait was the faster of the
-two, and the spin kept 0.61x and 0.88x of its quiet speed (README "Threads that share the
-machine").
+slower beside a busy process in trials. Earlier runs of ``python benchmarks/bench_peers.py``
+compared both waits (``docs/results/bench_peers/run-before-*.log``): on this noisy machine
+the quiet gain showed in one run and not in another; beside a busy process the purely
+passive wait was the faster of the two, and the spin kept 0.61x and 0.88x of its quiet
+speed.
 
 One row at a time on small models: a decode step (one row per call) of a small model runs
 a few hundred kernels of well under a millisecond each, and with two threads every one of
@@ -21,7 +21,9 @@ them waits for the second thread to wake, a cost as large as the work it shares.
 single-row forward calls get their own thread count (:func:`decode_threads_for`: one for
 models whose weights are at most :data:`SMALL_WEIGHTS` bytes, else the prefill count;
 ``--decode-threads`` sets it). ``python benchmarks/bench_peers.py`` compares it with
-decoding on every core, quiet and beside a busy process.
+decoding on every core, quiet and beside a busy process (README "Threads that share the
+machine": on the default model, faster in both). A kernel big enough to pay for the
+wake-up (the output head, ``qlinear.WIDE_BYTES``) still takes every core (:func:`every_thread`).
 
 Thread counts change bits: a GEMM may split its work another way. So every projection runs
 under the count its row count selects (:func:`rows_threads`), both in the forward call and

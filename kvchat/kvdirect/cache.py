@@ -73,7 +73,7 @@ CHECKPOINT_FORMS = ("residual", "kv", "auto")
 MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
 # Rows a growing hot window reserves ahead when the cache allows it (no ceiling: nothing
 # ever leaves): a decode step then copies one row instead of concatenating the whole window
-# into a fresh tensor, at every layer (~15% of a SmolLM2 int4 decode step went to that).
+# into a fresh tensor, at every layer.
 HOT_RESERVE_ROWS = 64
 
 

@@ -17,8 +17,10 @@ Formats (what is stored on disk, device independent):
   (the tinygemm convention). A GGUF Q4_1 block (``w = d * q + m``, 32 columns) is exactly
   ``s = d``, ``z = m + 8 d``, so requantizing its dequantized values by min/max recovers it.
 
-At load, :func:`to_runtime` turns those into the kernel's own layout for the device. Off CPU
-(CUDA, MPS) the layers dequantize per call: correct, small in memory, not fast.
+At load, each layer turns those into the kernel's own layout for the device. Off CPU
+(CUDA, MPS) the layers dequantize per call: correct, small in memory, not fast. On CPU,
+``kvchat.models.fused`` then stacks the layers that read one input (q/k/v, gate/up) into one
+kernel call each.
 """
 
 from __future__ import annotations
