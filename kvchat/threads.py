@@ -46,10 +46,12 @@ __all__ = [
     "SMALL_WEIGHTS",
     "SPIN_COUNT",
     "apply_threads",
+    "counts",
     "decode_threads_for",
     "default_threads",
     "every_thread",
     "prefer_passive_wait",
+    "resolve_threads",
     "rows_threads",
     "set_decode_threads",
     "threads_for_rows",
@@ -94,20 +96,34 @@ def default_threads() -> int:
     return max(1, min(physical, allowed))
 
 
-def apply_threads(threads: int | None = None) -> int:
-    """Give torch ``threads`` intra-op threads (default: ``OMP_NUM_THREADS`` if set, else
-    :func:`default_threads`); returns the number in use."""
-    import torch
-
+def resolve_threads(threads: int | None = None) -> int:
+    """``threads``, or ``OMP_NUM_THREADS`` if set, or :func:`default_threads`."""
     if threads is None:
         env = os.environ.get("OMP_NUM_THREADS", "").strip()
         threads = int(env) if env.isdigit() and int(env) > 0 else default_threads()
     if threads < 1:
         raise ValueError("threads must be at least 1")
+    return threads
+
+
+def apply_threads(threads: int | None = None) -> int:
+    """Give torch ``threads`` intra-op threads (default: ``OMP_NUM_THREADS`` if set, else
+    :func:`default_threads`); returns the number in use."""
+    import torch
+
+    threads = resolve_threads(threads)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     _counts["rows"] = threads
     return threads
+
+
+def counts() -> dict[str, int]:
+    """The counts in use, as a conversation records them: its turns' bits depend on them
+    (SDPA of one row gives other bits on one thread than on two here), and ``kvchat
+    repair`` rebuilds a turn under the counts it was computed with."""
+    named = {"threads": _counts["rows"], "decode_threads": _counts["row"]}
+    return {k: v for k, v in named.items() if v is not None}
 
 
 def decode_threads_for(weights_bytes: int, threads: int) -> int:

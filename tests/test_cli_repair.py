@@ -52,6 +52,28 @@ def test_repair_rebuilds_a_damaged_turn_and_resume_then_continues_as_before(tmp_
     assert json.loads(resumed.stdout.splitlines()[-1])["tokens"] == expected
 
 
+def test_repair_rebuilds_under_the_thread_counts_the_turns_were_computed_with(tmp_path):
+    """A conversation records the thread counts its turns ran on, and repair rebuilds under
+    them, whatever today's default. (Thread counts can change bits: one-row SDPA over 600
+    keys differs on one thread and two here, and so does a 7-row fp32 GEMM; this short
+    conversation does not reach such a shape, so it shows the record and its use, not a
+    refusal without it.)"""
+    data = str(tmp_path)
+    common = ("--data-dir", data, "--max-new-tokens", "8")
+    out = kvchat(
+        "run", *common, "--threads", "2", "--decode-threads", "2",
+        "--prompt", "Hi there", "--prompt", "Name a colour", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    conv_id = json.loads(out.stdout.splitlines()[-1])["conversation"]
+    header = json.loads((tmp_path / "conversations" / conv_id / "manifest.json").read_text())
+    assert header["settings"]["threads"] == header["settings"]["decode_threads"] == 2
+    _flip_last_byte(tmp_path / "conversations" / conv_id / "segments" / "turn-0001.safetensors")
+    fixed = kvchat("repair", conv_id, "--data-dir", data)
+    assert fixed.returncode == 0, fixed.stderr
+    assert "checked against the intact turn 2: identical" in fixed.stdout
+
+
 def test_repair_of_an_unknown_id_is_one_line(tmp_path):
     out = kvchat("repair", "nope", "--data-dir", str(tmp_path))
     assert out.returncode == 1

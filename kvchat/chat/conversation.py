@@ -13,6 +13,7 @@ from kvchat.chat.memory_snapshot import MemorySnapshot
 from kvchat.chat.session import ChatSession
 from kvchat.chat.settings import CacheSettings
 from kvchat.models.loaded import LoadedModel
+from kvchat.threads import counts as thread_counts
 
 if TYPE_CHECKING:
     from kvchat.storage import Conversation
@@ -61,7 +62,12 @@ def open_session(
                 model_name=loaded.name,
                 fingerprint=loaded.fingerprint,
                 dtype=loaded.dtype,
-                settings={"system": system, "weights": loaded.weights_mode, **cache.as_dict()},
+                settings={
+                    "system": system,
+                    "weights": loaded.weights_mode,
+                    **thread_counts(),
+                    **cache.as_dict(),
+                },
             )
             say(f"saving as conversation {conversation.id}")
             return conversation

@@ -12,6 +12,7 @@ from kvchat.commands.run import load_from_options
 from kvchat.commands.store_commands import open_store
 from kvchat.commands.terminal import EXIT_INTERRUPTED, exit_on_termination, fail, note
 from kvchat.errors import KvchatError
+from kvchat.threads import resolve_threads
 
 
 def repair_conversation(conversation_id: str, opts: dict[str, Any]) -> None:
@@ -27,12 +28,18 @@ def repair_conversation(conversation_id: str, opts: dict[str, Any]) -> None:
             if not damaged_turns(conversation):
                 click.echo(f"conversation {cid} has no damaged segment; nothing to repair")
                 return
+        # The thread counts its turns were computed with (they change bits); a conversation
+        # that did not record them decoded on its prefill count, as kvchat did then.
+        threads = opts.get("threads") or manifest.settings.get("threads")
+        decode_threads = manifest.settings.get("decode_threads") or resolve_threads(threads)
         loaded = load_from_options(
             {
                 **opts,
                 "model": opts["model"] or manifest.model.name,
                 "dtype": manifest.model.dtype,
                 "weights": manifest.settings.get("weights", "auto"),
+                "threads": threads,
+                "decode_threads": decode_threads,
             }
         )
         with (

@@ -62,42 +62,82 @@ class ProjectionGroup(nn.Module):
         for i in entries:
             tail = torch.cat(scales[i:], dim=-2 if self.int4 else 0).contiguous()
             self.register_buffer(f"scales_from_{i}", tail)
-        self.biased = [m.bias is not None for m in members]
         for i, m in enumerate(members):
             if m.bias is not None:
                 self.register_buffer(f"bias_{i}", m.bias.detach())
-        self._input: torch.Tensor | None = None
-        self._left: list[torch.Tensor | None] = [None] * len(members)
+        self.members = len(members)
+        self._stash = _Stash(self.members)
+        self._plans: list[_Plan] | None = None
+
+    def _apply(self, fn, recurse=True):  # moved or cast: the plans point at old tensors
+        out = super()._apply(fn, recurse)
+        self._plans = None
+        return out
+
+    def _plan(self, index: int) -> _Plan:
+        """What a call starting at member ``index`` runs (tensors looked up once: a decode
+        step makes ~150 of these calls, and nn.Module attribute lookups add up)."""
+        if self._plans is None:
+            plans = []
+            for i in range(self.members):
+                entry = max(e for e in self.entries if e <= i)
+                base = self.starts[entry]
+                cuts = []
+                for j in range(i, self.members):
+                    bias = getattr(self, f"bias_{j}", None)
+                    cuts.append((self.starts[j] - base, self.starts[j + 1] - base, bias))
+                weight = self.packed[base:]
+                plans.append(_Plan(weight, getattr(self, f"scales_from_{entry}"), cuts))
+            self._plans = plans
+        return self._plans[index]
 
     def columns(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``index``'s output for ``x`` ([rows, out] for [..., in])."""
-        if self._input is x and self._left[index] is not None:
-            out, self._left[index] = self._left[index], None
-            if all(t is None for t in self._left):
-                self._input = None
+        stash = self._stash
+        if stash.input is x and stash.left[index] is not None:
+            out, stash.left[index] = stash.left[index], None
+            if all(t is None for t in stash.left):
+                stash.input = None
             return out
-        entry = max(e for e in self.entries if e <= index)
+        plan = self._plan(index)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        weight = self.packed[self.starts[entry] :]
-        scales = getattr(self, f"scales_from_{entry}")
         if self.int4:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, GROUP, scales)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, plan.weight, GROUP, plan.scales)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
+            y = torch.ops.aten._weight_int8pack_mm(rows, plan.weight, plan.scales)
         y = y.to(x.dtype)
-        base = self.starts[entry]
         parts = []
-        for i in range(index, len(self._left)):
-            part = y[:, self.starts[i] - base : self.starts[i + 1] - base]
-            if self.biased[i]:
-                part = part + getattr(self, f"bias_{i}").to(part.dtype)
-            parts.append(part)
-        self._left = [None] * (index + 1) + parts[1:]
-        self._input = x if len(parts) > 1 else None
+        for lo, hi, bias in plan.cuts:
+            part = y[:, lo:hi]
+            parts.append(part if bias is None else part + bias.to(part.dtype))
+        stash.left = [None] * (index + 1) + parts[1:]
+        stash.input = x if len(parts) > 1 else None
         return parts[0]
 
     def forget(self) -> None:
-        self._input, self._left = None, [None] * len(self._left)
+        self._stash = _Stash(self.members)
+
+
+class _Stash:
+    """The input of the last stacked call and the columns it left for later members."""
+
+    __slots__ = ("input", "left")
+
+    def __init__(self, members: int) -> None:
+        self.input: torch.Tensor | None = None
+        self.left: list[torch.Tensor | None] = [None] * members
+
+
+class _Plan:
+    __slots__ = ("cuts", "scales", "weight")
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        cuts: list[tuple[int, int, torch.Tensor | None]],
+    ) -> None:
+        self.weight, self.scales, self.cuts = weight, scales, cuts
 
 
 class FusedProjection(nn.Module):
