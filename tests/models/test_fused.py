@@ -14,6 +14,7 @@ from kvchat.models import qlinear
 from kvchat.models.fused import FusedProjection, ProjectionGroup, fuse_siblings
 from kvchat.models.quantize import is_quantized, quantize_weights
 from tests.kvdirect.test_cache_exact import run_conversation, tiny_model
+from tests.kvdirect.test_thread_counts import smollm2_shaped
 
 
 def unfused(family: str, mode: str, dtype=torch.float32):
@@ -70,19 +71,8 @@ def test_the_stacked_weights_replace_the_separate_ones():
 
 
 def test_real_shapes_stack_every_sibling_set():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     # SmolLM2-135M's widths: q 576, k and v 192, gate and up 1536 (two layers of it)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=2,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-    )
-    torch.manual_seed(0)
-    model = quantize_weights(LlamaForCausalLM(config).eval(), "int4")
+    model = quantize_weights(smollm2_shaped(), "int4")
     assert sum(isinstance(m, ProjectionGroup) for m in model.modules()) == 4
     assert sum(isinstance(m, FusedProjection) for m in model.modules()) == 10
 
