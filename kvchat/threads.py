@@ -43,6 +43,7 @@ from __future__ import annotations
 import os
 
 __all__ = [
+    "OnThreads",
     "SMALL_WEIGHTS",
     "SPIN_COUNT",
     "apply_threads",
@@ -138,11 +139,11 @@ def set_decode_threads(threads: int | None) -> None:
     _counts["row"] = threads
 
 
-def every_thread() -> rows_threads:
+def every_thread() -> OnThreads:
     """The prefill count, even inside a decode step: for one kernel call big enough to pay
     for waking the other threads (the output head of a small model, see ``qlinear``), whose
     kernel gives the same bits on any count."""
-    return rows_threads(0, _counts["rows"])
+    return OnThreads(_counts["rows"])
 
 
 def threads_for_rows(rows: int) -> int | None:
@@ -150,11 +151,16 @@ def threads_for_rows(rows: int) -> int | None:
     return _counts["row"] if rows == 1 and _counts["row"] is not None else _counts["rows"]
 
 
-class rows_threads:  # noqa: N801  (used as a context manager, like torch.inference_mode)
-    """Run the block on :func:`threads_for_rows` threads, then give the old count back."""
+def rows_threads(rows: int) -> OnThreads:
+    """Run a block on :func:`threads_for_rows` threads, then give the old count back."""
+    return OnThreads(threads_for_rows(rows))
 
-    def __init__(self, rows: int, want: int | None = None) -> None:
-        self.want = threads_for_rows(rows) if want is None else want
+
+class OnThreads:
+    """A block on ``want`` threads (None: torch's count as it is), the old count after."""
+
+    def __init__(self, want: int | None) -> None:
+        self.want = want
         self.before: int | None = None
 
     def __enter__(self) -> None:

@@ -286,12 +286,23 @@ class KVDirectLayer(CacheLayerMixin):
         return full_k, full_v
 
     # -- the hot window ------------------------------------------------------------------
+    def _window(self) -> int | None:
+        """The hot window this layer's form follows (None: every token)."""
+        return self.owner.kv_window if self.form == "kv" else self.owner.hot_window
+
+    def _live_growth(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The grown storage, if the hot rows are still its leading views (resume or a trim
+        may have set the window since)."""
+        grown = self.growth
+        if grown is None or not _leads(self.keys, grown[0]) or not _leads(self.values, grown[1]):
+            return None
+        return grown
+
     def _grows(self) -> bool:
         """Whether every token stays hot for good: no window, no sliding, nothing cold."""
-        window = self.owner.kv_window if self.form == "kv" else self.owner.hot_window
         return (
             self.owner.hot_reserve > 0
-            and window is None
+            and self._window() is None
             and not self.is_sliding
             and self.hot_from == 0
         )
@@ -303,9 +314,7 @@ class KVDirectLayer(CacheLayerMixin):
         order as a concatenation, and SDPA reads them by stride, so the same bits.
         """
         n, new_len = self.hot_length, key_states.shape[-2]
-        grown = self.growth
-        if grown is None or not _leads(self.keys, grown[0]) or not _leads(self.values, grown[1]):
-            grown = None  # someone set the window (resume, trim): start from what it is
+        grown = self._live_growth()
         if grown is None or grown[0].shape[-2] < n + new_len:
             rows = n + new_len + self.owner.hot_reserve
             k = key_states.new_empty((*key_states.shape[:2], rows, key_states.shape[-1]))
@@ -326,7 +335,7 @@ class KVDirectLayer(CacheLayerMixin):
 
     def keep_hot(self) -> int:
         """How many of the most recent tokens keep their K/V after this step."""
-        window = self.owner.kv_window if self.form == "kv" else self.owner.hot_window
+        window = self._window()
         keep = self.cumulative_length if window is None else window
         if self.is_sliding:
             keep = min(keep, self.sliding_window - 1)
@@ -651,8 +660,8 @@ class KVDirectLayer(CacheLayerMixin):
     # -- accounting ----------------------------------------------------------------------
     def hot_bytes(self) -> int:
         """Bytes the hot window holds, its reserve included."""
-        grown = self.growth
-        if grown is not None and _leads(self.keys, grown[0]) and _leads(self.values, grown[1]):
+        grown = self._live_growth()
+        if grown is not None:
             return nbytes(grown[0]) + nbytes(grown[1])
         return nbytes(self.keys) + nbytes(self.values)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvchat.models.qlinear import GROUP, Int4Linear, Int8Linear
+from kvchat.models.qlinear import Int4Linear, Int8Linear, int4_mm, int8_mm
 
 # The group's name on the parent module, its members in the order they are stacked, and the
 # members a call may start from (each needs its own copy of the scales from there on; k_proj
@@ -100,12 +100,8 @@ class ProjectionGroup(nn.Module):
                 stash.input = None
             return out
         plan = self._plan(index)
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if self.int4:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, plan.weight, GROUP, plan.scales)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(rows, plan.weight, plan.scales)
-        y = y.to(x.dtype)
+        rows = x.reshape(-1, self.in_features)
+        y = (int4_mm if self.int4 else int8_mm)(rows, plan.weight, plan.scales)
         parts = []
         for lo, hi, bias in plan.cuts:
             part = y[:, lo:hi]
