@@ -16,6 +16,7 @@ import torch
 from kvchat.chat.sampling import make_generator, next_token
 from kvchat.chat.settings import SamplingSettings
 from kvchat.errors import NeedsDiskTierError
+from kvchat.models.decode_step import decode_step_for
 from kvchat.threads import rows_threads
 
 BeforeForward = Callable[[int], None]
@@ -50,10 +51,15 @@ def forward_ids(
     before_forward: BeforeForward | None = None,
 ) -> torch.Tensor:
     """:func:`forward` over a ``[1, n]`` id tensor the caller owns (the decode loop reuses
-    one for every step instead of building a tensor per token)."""
+    one for every step instead of building a tensor per token). One-token calls of models
+    it knows go through ``kvchat.models.decode_step`` (the same bits, fewer Python frames)."""
     if before_forward is not None:
         before_forward(input_ids.shape[1])
-    with rows_threads(input_ids.shape[1]):
+    rows = input_ids.shape[1]
+    step = decode_step_for(model) if rows == 1 and input_ids.shape[0] == 1 else None
+    with rows_threads(rows):
+        if step is not None:
+            return step(input_ids, cache)
         out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1]
 

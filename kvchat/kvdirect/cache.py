@@ -749,6 +749,14 @@ class KVDirectCache(Cache):
         self.enable_streaming(self.stream_chunk)  # re-attached: streaming needs its patch
         return self
 
+    def note_layer_input(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """What the attach() pre-hook records, for callers that run a decoder layer's work
+        without calling the module (``kvchat.models.decode_step``)."""
+        if self._hooks:
+            layer = self.layers[layer_idx]
+            if layer.form == "residual":
+                layer.pending_residual = hidden
+
     def detach(self) -> None:
         for handle in self._hooks:
             handle.remove()
@@ -911,4 +919,7 @@ def _capture_into(layer: KVDirectLayer):
         hidden = args[0] if args else kwargs.get("hidden_states")
         layer.pending_residual = hidden
 
+    # A decode step that skips the module calls hands the input over itself
+    # (note_layer_input); this marks the hook as one it may skip.
+    hook.kvchat_layer_input = True
     return hook

@@ -36,7 +36,7 @@ SIBLINGS = (
 )
 _CHECK_ROWS = (1, 3)
 
-__all__ = ["FusedProjection", "ProjectionGroup", "fuse_siblings"]
+__all__ = ["FusedProjection", "ProjectionGroup", "fuse_siblings", "stacked_group"]
 
 
 class ProjectionGroup(nn.Module):
@@ -66,6 +66,8 @@ class ProjectionGroup(nn.Module):
             if m.bias is not None:
                 self.register_buffer(f"bias_{i}", m.bias.detach())
         self.members = len(members)
+        self.widths = widths
+        self.has_bias = any(m.bias is not None for m in members)
         self._stash = _Stash(self.members)
         self._plans: list[_Plan] | None = None
 
@@ -109,6 +111,22 @@ class ProjectionGroup(nn.Module):
         stash.left = [None] * (index + 1) + parts[1:]
         stash.input = x if len(parts) > 1 else None
         return parts[0]
+
+    def stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """Every member's columns side by side (``[rows, sum(widths)]``), biases not added:
+        the one kernel call a decode step makes (``kvchat.models.decode_step``)."""
+        plan = self._plan(0)
+        rows = x.reshape(-1, self.in_features)
+        return (int4_mm if self.int4 else int8_mm)(rows, plan.weight, plan.scales)
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's output for ``x`` (``[rows, width]``, bias added), from one call."""
+        y = self.stacked(x)
+        parts = []
+        for lo, hi, bias in self._plan(0).cuts:
+            part = y[:, lo:hi]
+            parts.append(part if bias is None else part + bias.to(part.dtype))
+        return parts
 
     def forget(self) -> None:
         self._stash = _Stash(self.members)
@@ -158,6 +176,16 @@ class FusedProjection(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {kind}, stacked with siblings"
 
 
+def stacked_group(members: list[nn.Module]) -> ProjectionGroup | None:
+    """The group ``members`` are, in stacking order and all of it, else None."""
+    if not members or not all(isinstance(m, FusedProjection) for m in members):
+        return None
+    group = members[0].group
+    whole = group.members == len(members)
+    ordered = all(m.group is group and m.index == i for i, m in enumerate(members))
+    return group if whole and ordered else None
+
+
 def fuse_siblings(model: nn.Module) -> int:
     """Stack every set of :data:`SIBLINGS` that are quantized CPU layers of one kind and pass
     the bit-for-bit check; returns how many groups were made."""
@@ -174,6 +202,9 @@ def fuse_siblings(model: nn.Module) -> int:
             for i, name in enumerate(names):
                 setattr(parent, name, FusedProjection(group, i, name))
             made += 1
+    from kvchat.models.decode_step import forget_decode_step
+
+    forget_decode_step(model)  # a step built before would call the replaced layers
     return made
 
 

@@ -1,0 +1,240 @@
+"""One decode step (one token in, its logits out) of a Llama-family model, without the
+layers of Python that transformers wraps around every module.
+
+Why: at one row per call a SmolLM2 step is ~600 short kernels, and transformers' module
+calls, decorators, keyword plumbing and output records around them cost as much as a third
+of the step on a small CPU. This step calls the same kernels on the same tensors, in the
+same order, skipping only the wrapping. Where the model's modules do real work (the
+projections, quantized or not; the rotary table; attention through the model's own
+attention interface; the embedding; the head) they are called as they are.
+
+Exactness: the step gives the bits of the model's own ``forward`` (``torch.equal`` logits
+and K/V, every weights mode; ``tests/models/test_decode_step.py``). The only arithmetic
+spelled out here is what transformers spells out in Python in ``modeling_llama``: RMSNorm,
+``rotate_half`` and the rotary products, the residual adds and the gated MLP, each in the
+same op order and dtypes. The rotary products run over q's and k's heads in one tensor when
+the stacked projection hands them over side by side: elementwise multiply and add round
+each element alone, so that changes no bit.
+
+What it does not do: module hooks do not fire (nothing of transformers' or torch's hook
+machinery runs). A cache that keeps the layers' inputs (the KV-Direct cache's residual
+checkpoints, taken by a forward pre-hook on the model path) is handed them through its
+``note_layer_input(layer_idx, hidden)`` instead. Anything else is left to the model path:
+:func:`decode_step_for` returns None for models it does not know, in training mode, or with
+hooks on a layer it would skip.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DecodeStep", "decode_step_for", "forget_decode_step"]
+
+_steps: weakref.WeakKeyDictionary[nn.Module, DecodeStep | None] = weakref.WeakKeyDictionary()
+
+
+def decode_step_for(model: nn.Module) -> DecodeStep | None:
+    """The model's :class:`DecodeStep` (built once), or None where it does not apply."""
+    try:
+        step = _steps[model]
+    except KeyError:
+        step = _steps[model] = DecodeStep.build(model)
+    if step is None or model.training or step.hooked():
+        return None
+    return step
+
+
+def forget_decode_step(model: nn.Module) -> None:
+    """Drop the step built for ``model`` (call after replacing its modules)."""
+    _steps.pop(model, None)
+
+
+class _Layer:
+    """What one decoder layer's step reads, looked up once."""
+
+    __slots__ = (
+        "attention",
+        "down",
+        "gate",
+        "gate_up",
+        "index",
+        "input_norm",
+        "o_proj",
+        "post_norm",
+        "q",
+        "k",
+        "v",
+        "qkv",
+        "up",
+        "act",
+    )
+
+    def __init__(self, index: int, layer: nn.Module) -> None:
+        from kvchat.models.fused import stacked_group
+
+        attn, mlp = layer.self_attn, layer.mlp
+        self.index = index
+        self.attention = attn
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.q, self.k, self.v, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.qkv = stacked_group([self.q, self.k, self.v])
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.gate_up = stacked_group([self.gate, self.up])
+        self.act = mlp.act_fn
+
+
+def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``LlamaRMSNorm.forward``, op for op."""
+    input_dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * hidden.to(input_dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecodeStep:
+    """``model(input_ids=[[t]], cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]``
+    for a ``LlamaForCausalLM``, in fewer Python frames."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        base = model.model
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.norm = base.norm
+        self.head = model.lm_head
+        self.config = model.config
+        self.decoder_layers = list(base.layers[: self.config.num_hidden_layers])
+        self.layers = [_Layer(i, layer) for i, layer in enumerate(self.decoder_layers)]
+        self.head_dim = self.layers[0].attention.head_dim
+        from transformers.masking_utils import create_causal_mask
+
+        self.create_mask = create_causal_mask
+
+    @classmethod
+    def build(cls, model: nn.Module) -> DecodeStep | None:
+        """A step for ``model`` if it is a Llama-family model built as transformers builds
+        it, else None."""
+        try:
+            from transformers.models.llama.modeling_llama import (
+                LlamaDecoderLayer,
+                LlamaForCausalLM,
+                LlamaRMSNorm,
+            )
+        except ImportError:
+            return None
+        if type(model) is not LlamaForCausalLM:
+            return None
+        base = model.model
+        norms = [base.norm]
+        for layer in base.layers:
+            if type(layer) is not LlamaDecoderLayer:
+                return None
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if any(type(n) is not LlamaRMSNorm for n in norms):
+            return None
+        return cls(model)
+
+    def hooked(self) -> bool:
+        """Whether a module this step skips has hooks (the model path must run them). The
+        KV-Direct cache's own pre-hooks are fine: the step hands their input over itself."""
+        skipped: list[nn.Module] = [self.model, self.model.model]
+        for layer, parts in zip(self.decoder_layers, self.layers):
+            skipped += [layer, parts.attention, layer.mlp, parts.input_norm, parts.post_norm]
+        skipped.append(self.norm)
+        for module in skipped:
+            if module._forward_hooks or module._backward_hooks:
+                return True
+            for hook in module._forward_pre_hooks.values():
+                if not getattr(hook, "kvchat_layer_input", False):
+                    return True
+        return False
+
+    def __call__(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Logits ([vocab]) for ``input_ids`` ([1, 1]) after ``cache``'s tokens."""
+        hidden = self.embed(input_ids)
+        past = cache.get_seq_length()
+        position_ids = (torch.arange(1, device=hidden.device) + past).unsqueeze(0)
+        mask = self.create_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        cos, sin = self.rotary(hidden, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        note_input: Callable[[int, torch.Tensor], None] | None = getattr(
+            cache, "note_layer_input", None
+        )
+        attention = self._attention_function()
+        head_dim = self.head_dim
+        for layer in self.layers:
+            if note_input is not None:
+                note_input(layer.index, hidden)
+            residual = hidden
+            x = _rms_norm(layer.input_norm, hidden)
+            query, key, value = self._qkv(layer, x, cos, sin, head_dim)
+            key, value = cache.update(key, value, layer.index)
+            out, _ = attention(
+                layer.attention, query, key, value, mask, dropout=0.0,
+                scaling=layer.attention.scaling,
+            )  # fmt: skip
+            out = layer.o_proj(out.reshape(1, 1, -1).contiguous())
+            hidden = residual + out
+            residual = hidden
+            x = _rms_norm(layer.post_norm, hidden)
+            if layer.gate_up is not None:
+                gate, up = layer.gate_up.split(x)
+                gate, up = gate.reshape(1, 1, -1), up.reshape(1, 1, -1)
+            else:
+                gate, up = layer.gate(x), layer.up(x)
+            hidden = residual + layer.down(layer.act(gate) * up)
+        hidden = _rms_norm(self.norm, hidden)
+        return self.head(hidden)[0, -1]
+
+    def _attention_function(self) -> Callable[..., Any]:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        return ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+
+    @staticmethod
+    def _qkv(
+        layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated query and key, and value, as ``[1, heads, 1, head_dim]`` (the shapes
+        ``LlamaAttention`` hands on)."""
+        group = layer.qkv
+        if group is not None and not group.has_bias:
+            # One kernel call; q and k sit side by side in its output: rotate them as one.
+            stacked = group.stacked(x)
+            q_width, k_width = group.widths[0], group.widths[1]
+            qk = stacked[:, : q_width + k_width].view(1, 1, -1, head_dim).transpose(1, 2)
+            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            q_heads = q_width // head_dim
+            value = stacked[:, q_width + k_width :].view(1, 1, -1, head_dim).transpose(1, 2)
+            return qk[:, :q_heads], qk[:, q_heads:], value
+        if group is not None:
+            q, k, v = group.split(x)
+        else:
+            q, k, v = layer.q(x), layer.k(x), layer.v(x)
+        query = q.view(1, 1, -1, head_dim).transpose(1, 2)
+        key = k.view(1, 1, -1, head_dim).transpose(1, 2)
+        value = v.view(1, 1, -1, head_dim).transpose(1, 2)
+        query = (query * cos) + (_rotate_half(query) * sin)
+        key = (key * cos) + (_rotate_half(key) * sin)
+        return query, key, value

@@ -1,0 +1,114 @@
+"""The lean decode step (``kvchat.models.decode_step``) gives the model's own bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvchat.chat.generate as generate_module
+from kvchat.kvdirect.arch import ArchAdapter
+from kvchat.kvdirect.cache import KVDirectCache
+from kvchat.models.decode_step import decode_step_for, forget_decode_step
+from kvchat.models.quantize import quantize_weights
+from tests.kvdirect.test_cache_exact import run_conversation, tiny_model
+from tests.kvdirect.test_thread_counts import smollm2_shaped
+
+MODES = [
+    ("none", torch.float32),
+    ("none", torch.bfloat16),
+    ("int8", torch.float32),
+    ("int4", torch.float32),
+]
+
+
+def model_in(shape: str, mode: str, dtype: torch.dtype):
+    model = tiny_model("llama", dtype) if shape == "tiny" else smollm2_shaped().to(dtype)
+    return model if mode == "none" else quantize_weights(model, mode)
+
+
+def on_the_model_path(monkeypatch, model, cache, **kwargs):
+    """``run_conversation`` with every call through ``model(...)`` (no decode step)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(generate_module, "decode_step_for", lambda _model: None)
+        return run_conversation(model, cache, **kwargs)
+
+
+def same_kv(a, b) -> bool:
+    return all(
+        torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+        for x, y in zip(a.layers, b.layers)
+    )
+
+
+@pytest.mark.parametrize(("mode", "dtype"), MODES)
+@pytest.mark.parametrize("shape", ["tiny", "smollm2"])
+def test_the_step_gives_the_model_forward_bits(monkeypatch, shape, mode, dtype):
+    model = model_in(shape, mode, dtype)
+    assert decode_step_for(model) is not None
+    fast_cache, ref_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    fast = run_conversation(model, fast_cache)
+    ref = on_the_model_path(monkeypatch, model, ref_cache)
+    assert fast[0] == ref[0]
+    assert all(torch.equal(a, b) for a, b in zip(fast[1], ref[1]))
+    assert same_kv(fast_cache, ref_cache)
+
+
+@pytest.mark.parametrize("mode", ["none", "int4"])
+def test_bounded_cache_through_the_step_equals_the_standard_cache(monkeypatch, mode):
+    # Residual checkpoints taken by the step (note_layer_input), K/V replayed from them on
+    # the model's modules: the same bits as the standard cache on the model path.
+    model = model_in("smollm2", mode, torch.float32)
+    ref = on_the_model_path(monkeypatch, model, DynamicCache(config=model.config))
+    adapter = ArchAdapter(model)
+    cache = KVDirectCache(adapter, ["residual"] * adapter.num_layers, 4).attach()
+    try:
+        got = run_conversation(model, cache)
+    finally:
+        cache.detach()
+    assert cache.stats.recomputed_tokens > 0
+    assert got[0] == ref[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+
+
+def test_the_real_default_model_steps_give_its_forward_bits(monkeypatch, smollm2_loaded):
+    model = smollm2_loaded.model
+    assert decode_step_for(model) is not None
+    kwargs = {"turn_lengths": (60, 9), "new_per_turn": 12}
+    fast = run_conversation(model, DynamicCache(config=model.config), **kwargs)
+    ref = on_the_model_path(monkeypatch, model, DynamicCache(config=model.config), **kwargs)
+    assert fast[0] == ref[0]
+    assert all(torch.equal(a, b) for a, b in zip(fast[1], ref[1]))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2", "mistral"])
+def test_other_families_keep_the_model_path(family):
+    assert decode_step_for(tiny_model(family)) is None
+
+
+def test_hooks_on_skipped_modules_send_the_step_back_to_the_model_path():
+    model = tiny_model("llama")
+    assert decode_step_for(model) is not None
+    seen = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: seen.append(1))
+    assert decode_step_for(model) is None
+    handle.remove()
+    # The KV-Direct cache's own pre-hooks are handed their input by the step itself.
+    adapter = ArchAdapter(model)
+    cache = KVDirectCache(adapter, ["residual"] * adapter.num_layers, 4).attach()
+    assert decode_step_for(model) is not None
+    cache.detach()
+    model.train()
+    assert decode_step_for(model) is None
+    model.eval()
+
+
+def test_a_model_whose_layers_were_quantized_gets_a_new_step():
+    model = tiny_model("llama")
+    before = decode_step_for(model)
+    quantize_weights(model, "int8")  # replaces the layers the first step called
+    after = decode_step_for(model)
+    assert after is not before and after is not None
+    assert after.layers[0].gate_up is not None
+    forget_decode_step(model)
+    assert decode_step_for(model) is not after
