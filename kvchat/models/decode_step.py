@@ -144,6 +144,9 @@ class DecodeStep:
         self.decoder_layers = list(base.layers[: self.config.num_hidden_layers])
         self.layers = [_Layer(i, layer) for i, layer in enumerate(self.decoder_layers)]
         self.head_dim = self.layers[0].attention.head_dim
+        self.skipped: list[nn.Module] = [model, base, self.norm]
+        for layer, parts in zip(self.decoder_layers, self.layers):
+            self.skipped += [layer, parts.attention, layer.mlp, parts.input_norm, parts.post_norm]
         from kvchat.models.quantize import is_quantized
 
         # Float weights are transformers' model: its bits are the promise (``--weights
@@ -183,11 +186,7 @@ class DecodeStep:
     def hooked(self) -> bool:
         """Whether a module this step skips has hooks (the model path must run them). The
         KV-Direct cache's own pre-hooks are fine: the step hands their input over itself."""
-        skipped: list[nn.Module] = [self.model, self.model.model]
-        for layer, parts in zip(self.decoder_layers, self.layers):
-            skipped += [layer, parts.attention, layer.mlp, parts.input_norm, parts.post_norm]
-        skipped.append(self.norm)
-        for module in skipped:
+        for module in self.skipped:
             if module._forward_hooks or module._backward_hooks:
                 return True
             for hook in module._forward_pre_hooks.values():
