@@ -54,7 +54,7 @@ def decode_step_for(model: nn.Module) -> DecodeStep | None:
         step = _steps[model]
     except KeyError:
         step = _steps[model] = DecodeStep.build(model)
-    if step is None or model.training or step.hooked():
+    if step is None or model.training or step.hooked(model):
         return None
     return step
 
@@ -134,7 +134,8 @@ class DecodeStep:
     for a ``LlamaForCausalLM``, in fewer Python frames."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        # No reference to ``model`` itself: the step is the value of a weak-keyed table
+        # whose key is the model, and a value holding its key would keep both alive.
         base = model.model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
@@ -144,7 +145,7 @@ class DecodeStep:
         self.decoder_layers = list(base.layers[: self.config.num_hidden_layers])
         self.layers = [_Layer(i, layer) for i, layer in enumerate(self.decoder_layers)]
         self.head_dim = self.layers[0].attention.head_dim
-        self.skipped: list[nn.Module] = [model, base, self.norm]
+        self.skipped: list[nn.Module] = [base, self.norm]
         for layer, parts in zip(self.decoder_layers, self.layers):
             self.skipped += [layer, parts.attention, layer.mlp, parts.input_norm, parts.post_norm]
         from kvchat.models.quantize import is_quantized
@@ -183,10 +184,11 @@ class DecodeStep:
             return None
         return cls(model)
 
-    def hooked(self) -> bool:
-        """Whether a module this step skips has hooks (the model path must run them). The
-        KV-Direct cache's own pre-hooks are fine: the step hands their input over itself."""
-        for module in self.skipped:
+    def hooked(self, model: nn.Module) -> bool:
+        """Whether ``model`` or a module this step skips has hooks (the model path must run
+        them). The KV-Direct cache's own pre-hooks are fine: the step hands their input over
+        itself."""
+        for module in [model, *self.skipped]:
             if module._forward_hooks or module._backward_hooks:
                 return True
             for hook in module._forward_pre_hooks.values():

@@ -132,6 +132,18 @@ def test_hooks_on_skipped_modules_send_the_step_back_to_the_model_path():
     model.eval()
 
 
+def test_a_step_does_not_keep_its_model_alive():
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    assert decode_step_for(model) is not None
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_model_whose_layers_were_quantized_gets_a_new_step():
     model = tiny_model("llama")
     before = decode_step_for(model)

@@ -1,0 +1,159 @@
+"""What the lean decode step buys: kvchat's decode through the model's own forward, through
+``kvchat.models.decode_step`` with the model's attention function, and with packed GQA
+attention (what quantized models use), in one process, interleaved.
+
+Same model as the engine holds it (``--weights auto``: int4 for the default model), the
+same ~500-token prompt of real text and 64 greedy tokens as ``bench_peers.py``, kvchat's
+own ``generate`` loop and default cache in every row; only the one-token forward differs.
+Decode tok/s = 63 / time from the first to the 64th token; ratios are paired per repeat
+against the model-forward row, and every row must give its greedy tokens.
+
+``--profile`` then runs the default row's steps under torch's profiler and prints where a
+step's time goes, by kernel kind (per step, the profiler's own overhead included).
+
+Run from the repository root: ``python benchmarks/bench_decode_step.py [--repeats 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
+
+from kvchat.lab import harness  # noqa: E402
+
+MODEL_PATH = "model forward (transformers' modules)"
+EXACT = "decode step, the model's attention"
+PACKED = "decode step, packed GQA (quantized default)"
+ROWS = (MODEL_PATH, EXACT, PACKED)
+KINDS = {
+    "_weight_int4pack_mm": "int4 kernels",
+    "_weight_int8pack_mm": "int8 kernels (head)",
+    "scaled_dot_product": "attention",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=common.DEFAULT_MODEL)
+    parser.add_argument("--weights", default="auto")
+    parser.add_argument("--context", type=int, default=500)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--profile", action="store_true", help="where a step's time goes")
+    parser.add_argument("--out", default="results/bench_decode_step.json")
+    args = parser.parse_args()
+    wall = harness.stopwatch()
+
+    import torch
+    from transformers import AutoTokenizer
+
+    import kvchat.chat.generate as generate_module
+    from kvchat.chat.generate import generate
+    from kvchat.chat.session import ChatSession
+    from kvchat.chat.settings import SamplingSettings
+    from kvchat.lab.texts import STORY
+    from kvchat.models.decode_step import decode_step_for
+    from kvchat.models.load import load
+    from kvchat.models.resolve import resolve_model
+
+    path = str(resolve_model(args.model).path)
+    loaded = load(path, device="cpu", dtype="float32", weights=args.weights, threads=args.threads)
+    ids = AutoTokenizer.from_pretrained(path)(STORY, add_special_tokens=False)["input_ids"]
+    ids = ids[: args.context]
+    step = decode_step_for(loaded.model)
+    if step is None:
+        sys.exit(f"{args.model} has no lean decode step (not a Llama-family model)")
+    quantized = step.packs_gqa
+    with_step = generate_module.decode_step_for
+
+    def use(row: str) -> None:
+        generate_module.decode_step_for = (lambda _m: None) if row == MODEL_PATH else with_step
+        step.packs_gqa = row == PACKED
+
+    def reply(on_token=None) -> Any:
+        session = ChatSession(loaded)
+        try:
+            return generate(
+                loaded.model, session.cache, ids, device=loaded.device,
+                settings=SamplingSettings(max_new_tokens=args.new_tokens), stop_ids=set(),
+                prefill_chunk=256, before_forward=session.before_forward, on_token=on_token,
+            )  # fmt: skip
+        finally:
+            session.close()
+
+    def measure(row: str, rep: int) -> dict[str, Any]:
+        use(row)
+        stamps: list[float] = []
+        out = reply(lambda _t: stamps.append(time.perf_counter()) and None)
+        tps = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        harness.say(f"[{rep + 1}/{args.repeats}] {row}: decode {tps:.1f} tok/s")
+        return {"decode_tok_s": tps, "seconds_per_token": 1 / tps, "tokens": out.tokens}
+
+    harness.say(f"load average at start: {harness.environment(None)['loadavg_at_start']}")
+    runs = harness.interleaved(ROWS, args.repeats, measure)
+    base = runs[MODEL_PATH]
+    rows = []
+    for row in ROWS:
+        same = all(r["tokens"] == b["tokens"] for r, b in zip(runs[row], base))
+        ratio = harness.median_ratio(base, runs[row], "seconds_per_token")
+        tps = harness.median(r["decode_tok_s"] for r in runs[row])
+        rows.append([row, harness.fmt(tps, 1), harness.fmt(ratio), "yes" if same else "NO"])
+    weights = loaded.weights_mode
+    print(
+        f"## bench_decode_step: {args.model} ({weights} weights), {len(ids)}-token prompt, "
+        f"{args.new_tokens} greedy tokens, median of {args.repeats} interleaved repeats\n"
+    )
+    print(
+        harness.markdown_table(["decode", "decode tok/s", "vs model forward", "same tokens"], rows)
+    )
+    if not quantized:
+        print(f"\n(float weights: kvchat's default here is the '{EXACT}' row)")
+    fields: dict[str, Any] = {"rows": {row: runs[row] for row in ROWS}}
+
+    if args.profile:
+        from torch.profiler import profile
+
+        use(PACKED if quantized else EXACT)
+        stamps: list[float] = []
+        prof = profile()
+
+        def on_token(_t: int) -> None:
+            stamps.append(time.perf_counter())
+            if len(stamps) == 1:  # the decode steps start after the prefill's logits
+                prof.start()
+
+        with torch.inference_mode():
+            reply(on_token)
+        prof.stop()
+        steps = len(stamps) - 1
+        totals = {kind: 0.0 for kind in KINDS.values()} | {"other ops": 0.0}
+        for event in prof.key_averages():
+            if event.key == "aten::scaled_dot_product_attention":
+                continue  # the dispatcher's wrapper; its kernel is counted under its own name
+            kind = next((k for key, k in KINDS.items() if key in event.key), "other ops")
+            totals[kind] += event.self_cpu_time_total / 1000 / steps
+        step_ms = (stamps[-1] - stamps[0]) / steps * 1000
+        totals["between ops (Python)"] = step_ms - sum(totals.values())
+        totals["whole step, profiled"] = step_ms
+        print(f"\nwhere a step's time goes (torch profiler, {steps} steps, ms per step):\n")
+        print(
+            harness.markdown_table(
+                ["part", "ms per step"], [[k, harness.fmt(v)] for k, v in totals.items()]
+            )
+        )
+        fields["profile_ms_per_step"] = totals
+    harness.save_run(
+        args.out, "bench_decode_step", fields, harness.environment(args.threads), wall()
+    )
+
+
+if __name__ == "__main__":
+    main()
