@@ -202,9 +202,6 @@ def fuse_siblings(model: nn.Module) -> int:
             for i, name in enumerate(names):
                 setattr(parent, name, FusedProjection(group, i, name))
             made += 1
-    from kvchat.models.decode_step import forget_decode_step
-
-    forget_decode_step(model)  # a step built before would call the replaced layers
     return made
 
 

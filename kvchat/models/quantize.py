@@ -99,9 +99,11 @@ def quantize_weights(model: Any, weights: str) -> Any:
             bias = None if head.bias is None else head.bias.data
             head8 = qlinear.Int8Linear(parts, bias, qlinear.HEAD_REFINE_TOP)
             _set_module(model, names[id(head)], head8)
+    from kvchat.models.decode_step import forget_decode_step
     from kvchat.models.fused import fuse_siblings
 
     fuse_siblings(model)  # CPU kernel layers only; a no-op elsewhere
+    forget_decode_step(model)  # a step built before would still call the float layers
     return model
 
 
