@@ -1,9 +1,10 @@
 """One decode step (one token in, its logits out) of a Llama-family model, without the
 layers of Python that transformers wraps around every module.
 
-Why: at one row per call a SmolLM2 step is ~600 short kernels, and transformers' module
-calls, decorators, keyword plumbing and output records around them cost as much as a third
-of the step on a small CPU. This step calls the same kernels on the same tensors, in the
+Why: at one row per call a SmolLM2 step is ~2,000 short ops, and transformers' module
+calls, decorators, keyword plumbing and output records around them cost about one step in
+seven on this 2-core CPU (``benchmarks/bench_decode_step.py``: the step alone decodes 1.16x
+as fast as the model's forward). This step calls the same kernels on the same tensors, in the
 same order, skipping only the wrapping. Where the model's modules do real work (the
 projections, quantized or not; the rotary table; the embedding; the head) they are called
 as they are, and attention goes through the model's own attention function (except for
@@ -19,12 +20,12 @@ k's heads in one tensor when the stacked projection hands them over side by side
 elementwise multiply and add round each element alone, so that changes no bit.
 
 Models kvchat quantized have no transformers reference to equal, and for them attention
-packs GQA (:func:`_packed_gqa_attention`: measured ~20% more decode tok/s on the default
-model than SDPA's ``enable_gqa`` form). It sums in another order, so logits differ from the
-model path in the last bits (the same greedy tokens in the tests), while every cache runs
-the same steps: bounded still equals unbounded bit for bit in every weights mode, which is
-the cache's promise (``tests/kvdirect``). Replaying a checkpoint recomputes K/V only, never
-attention, so replayed K/V still match the steps' own.
+packs GQA (:func:`_packed_gqa_attention`; ``benchmarks/bench_decode_step.py`` measures the
+step with and without it against the model's forward). It sums in another order, so
+logits differ from the model path in the last bits (the same greedy tokens in the tests),
+while every cache runs the same steps: bounded still equals unbounded bit for bit in every
+weights mode, which is the cache's promise (``tests/kvdirect``). Replaying a checkpoint
+recomputes K/V only, never attention, so replayed K/V still match the steps' own.
 
 What it does not do: module hooks do not fire (nothing of transformers' or torch's hook
 machinery runs). A cache that keeps the layers' inputs (the KV-Direct cache's residual
@@ -116,7 +117,8 @@ def _packed_gqa_attention(
 ) -> torch.Tensor:
     """One query row's attention with each K/V head's query heads as its rows
     (``[1, kv_heads, group, head_dim]``): no K/V head is repeated, and torch's CPU kernel
-    runs it ~1.5x faster than SDPA's ``enable_gqa`` form. Returns ``[1, 1, heads * dim]``."""
+    runs it faster than SDPA's ``enable_gqa`` form (``benchmarks/bench_decode_step.py``).
+    Returns ``[1, 1, heads * dim]``."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)
