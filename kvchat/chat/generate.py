@@ -52,7 +52,8 @@ def forward_ids(
 ) -> torch.Tensor:
     """:func:`forward` over a ``[1, n]`` id tensor the caller owns (the decode loop reuses
     one for every step instead of building a tensor per token). One-token calls of models
-    it knows go through ``kvchat.models.decode_step`` (the same bits, fewer Python frames)."""
+    it knows go through ``kvchat.models.decode_step`` (fewer Python frames; the model's own
+    bits with float weights, packed GQA attention with quantized ones)."""
     if before_forward is not None:
         before_forward(input_ids.shape[1])
     rows = input_ids.shape[1]
