@@ -223,8 +223,8 @@ class DecodeStep:
         note_input: Callable[[int, torch.Tensor], None] | None = getattr(
             cache, "note_layer_input", None
         )
-        attention = self._attention_function()
         packed = self.packs_gqa and mask is None and self.config._attn_implementation == "sdpa"
+        attention = None if packed else self._attention_function()
         head_dim = self.head_dim
         for layer in self.layers:
             if note_input is not None:

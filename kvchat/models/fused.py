@@ -102,12 +102,7 @@ class ProjectionGroup(nn.Module):
                 stash.input = None
             return out
         plan = self._plan(index)
-        rows = x.reshape(-1, self.in_features)
-        y = (int4_mm if self.int4 else int8_mm)(rows, plan.weight, plan.scales)
-        parts = []
-        for lo, hi, bias in plan.cuts:
-            part = y[:, lo:hi]
-            parts.append(part if bias is None else part + bias.to(part.dtype))
+        parts = _cut(self._run(plan, x), plan.cuts)
         stash.left = [None] * (index + 1) + parts[1:]
         stash.input = x if len(parts) > 1 else None
         return parts[0]
@@ -115,21 +110,26 @@ class ProjectionGroup(nn.Module):
     def stacked(self, x: torch.Tensor) -> torch.Tensor:
         """Every member's columns side by side (``[rows, sum(widths)]``), biases not added:
         the one kernel call a decode step makes (``kvchat.models.decode_step``)."""
-        plan = self._plan(0)
-        rows = x.reshape(-1, self.in_features)
-        return (int4_mm if self.int4 else int8_mm)(rows, plan.weight, plan.scales)
+        return self._run(self._plan(0), x)
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each member's output for ``x`` (``[rows, width]``, bias added), from one call."""
-        y = self.stacked(x)
-        parts = []
-        for lo, hi, bias in self._plan(0).cuts:
-            part = y[:, lo:hi]
-            parts.append(part if bias is None else part + bias.to(part.dtype))
-        return parts
+        plan = self._plan(0)
+        return _cut(self._run(plan, x), plan.cuts)
+
+    def _run(self, plan: _Plan, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        return (int4_mm if self.int4 else int8_mm)(rows, plan.weight, plan.scales)
 
     def forget(self) -> None:
         self._stash = _Stash(self.members)
+
+
+def _cut(y: torch.Tensor, cuts: list[tuple[int, int, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """The members' column ranges of a stacked output, each with its bias added."""
+    return [
+        y[:, lo:hi] if bias is None else y[:, lo:hi] + bias.to(y.dtype) for lo, hi, bias in cuts
+    ]
 
 
 class _Stash:
