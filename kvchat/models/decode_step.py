@@ -1,7 +1,7 @@
 """One decode step (one token in, its logits out) of a Llama-family model, without the
 layers of Python that transformers wraps around every module.
 
-Why: at one row per call a SmolLM2 step is ~2,000 short ops, and transformers' module
+Why: at one row per call a SmolLM2 step is thousands of short ops, and transformers' module
 calls, decorators, keyword plumbing and output records around them cost about one step in
 seven on this 2-core CPU (``benchmarks/bench_decode_step.py``: the step alone decodes 1.16x
 as fast as the model's forward). This step calls the same kernels on the same tensors, in the
