@@ -241,18 +241,26 @@ class DecodeStep:
                     scaling=layer.attention.scaling,
                 )  # fmt: skip
                 out = out.reshape(1, 1, -1).contiguous()
-            out = layer.o_proj(out)
-            hidden = residual + out
-            residual = hidden
-            x = _rms_norm(layer.post_norm, hidden)
-            if layer.gate_up is not None:
-                gate, up = layer.gate_up.split(x)
-                gate, up = gate.reshape(1, 1, -1), up.reshape(1, 1, -1)
-            else:
-                gate, up = layer.gate(x), layer.up(x)
-            hidden = residual + layer.down(layer.act(gate) * up)
+            hidden = self.after_attention(layer, residual, out)
         hidden = _rms_norm(self.norm, hidden)
         return self.head(hidden)[0, -1]
+
+    def after_attention(
+        self, layer: _Layer, residual: torch.Tensor, attention_out: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's output from its input (``residual``) and its attention's output
+        (``[1, 1, heads * head_dim]``): o_proj, the residual add, the post-attention norm and
+        the gated MLP. It computes no K/V, so a replacement (``benchmarks/bench_compile.py``
+        sets a torch.compile'd one on an instance) changes no replay: a checkpoint replays
+        from the layer inputs every cache records alike."""
+        hidden = residual + layer.o_proj(attention_out)
+        x = _rms_norm(layer.post_norm, hidden)
+        if layer.gate_up is not None:
+            gate, up = layer.gate_up.split(x)
+            gate, up = gate.reshape(1, 1, -1), up.reshape(1, 1, -1)
+        else:
+            gate, up = layer.gate(x), layer.up(x)
+        return hidden + layer.down(layer.act(gate) * up)
 
     def _attention_function(self) -> Callable[..., Any]:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -94,6 +94,37 @@ def test_bounded_cache_through_the_step_equals_the_standard_cache(mode):
     assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
 
 
+def test_a_replaced_after_attention_half_runs_and_keeps_bounded_equal_to_standard():
+    # What benchmarks/bench_compile.py relies on: the half after attention computes no K/V,
+    # so whatever replaces it (there, a compiled one; here, one that shifts its output),
+    # residual replays still give the standard cache's bits through the same steps.
+    model = model_in("smollm2", "int4", torch.float32)
+    step = decode_step_for(model)
+    plain = run_conversation(model, DynamicCache(config=model.config))
+    calls = []
+
+    def shifted(layer, residual, out):
+        calls.append(layer.index)
+        return type(step).after_attention(step, layer, residual, out) + 1e-3
+
+    step.after_attention = shifted
+    try:
+        ref = run_conversation(model, DynamicCache(config=model.config))
+        adapter = ArchAdapter(model)
+        cache = KVDirectCache(adapter, ["residual"] * adapter.num_layers, 4).attach()
+        try:
+            got = run_conversation(model, cache)
+        finally:
+            cache.detach()
+    finally:
+        forget_decode_step(model)
+    assert calls[: len(step.layers)] == list(range(len(step.layers)))
+    assert not all(torch.equal(a, b) for a, b in zip(ref[1], plain[1]))
+    assert cache.stats.recomputed_tokens > 0
+    assert got[0] == ref[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+
+
 @pytest.mark.parametrize("weights", ["none", "int4"])
 def test_the_real_default_model_steps_agree_with_its_forward(monkeypatch, smollm2_dir, weights):
     from kvchat.models.load import load
