@@ -1,13 +1,15 @@
 """Weight-only quantized layers on torch's native CPU kernels: int8 per row, int4 per group.
 
-Why these kernels and not a library: measured on this CPU (AVX512-BF16, AMX), all of
+Why these kernels and not a library: measured on a Xeon (AVX512-BF16, AMX), all of
 SmolLM2-135M's linears for one decode token (M=1) took fp32 ~47 ms, bf16 ~40 ms,
 ``_weight_int8pack_mm`` ~17.5 ms and ``_weight_int4pack_mm_for_cpu`` (group 32) ~14 ms, both
 with bf16 activations; with fp32 activations the same kernels are 3-9x SLOWER than fp32, so
 activations are cast to bf16 around the kernel and back. torchao 0.18 installs beside torch
 2.13 but calls these same two kernels for its CPU int8/int4 weight-only layouts, behind
 tensor subclasses; the layers here are ~150 lines with nothing to install. optimum-quanto
-(maintenance mode since Nov 2025) decoded 2x slower than fp32 here.
+(maintenance mode since Nov 2025) decoded 2x slower than fp32 there. On the 2-core Zen 4
+EPYC (no AMX) of the README's figures the order holds: int4 decodes fastest, then int8,
+then fp32 (``benchmarks/bench_peers.py``).
 
 Formats (what is stored on disk, device independent):
 
