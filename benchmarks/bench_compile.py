@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -60,9 +59,7 @@ def main() -> None:
     import torch._inductor.config as inductor_config
     from transformers import AutoTokenizer
 
-    from kvchat.chat.generate import generate
-    from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.chat.settings import CacheSettings
     from kvchat.lab.texts import STORY
     from kvchat.models.decode_step import decode_step_for
     from kvchat.models.fused import ProjectionGroup
@@ -168,8 +165,8 @@ def main() -> None:
             for _ in range(10):
                 alone["eager"].append(per_call_us(half))
                 alone["compiled"].append(per_call_us(compiled_half))
-    eager_us = statistics.median(alone["eager"])
-    compiled_us = statistics.median(alone["compiled"])
+    eager_us = harness.median(alone["eager"])
+    compiled_us = harness.median(alone["compiled"])
 
     # 2. whole replies
     def compiled_after_attention(layer: Any, residual: torch.Tensor, out: torch.Tensor) -> Any:
@@ -181,28 +178,16 @@ def main() -> None:
         else:
             step.__dict__.pop("after_attention", None)
 
-    def reply(on_token: Any = None, cache: CacheSettings | None = None, spill: Any = None) -> Any:
-        session = ChatSession(loaded, cache=cache, spill_root=spill)
-        try:
-            return generate(
-                loaded.model, session.cache, ids, device=loaded.device,
-                settings=SamplingSettings(max_new_tokens=args.new_tokens), stop_ids=set(),
-                prefill_chunk=256, before_forward=session.before_forward, on_token=on_token,
-            )  # fmt: skip
-        finally:
-            session.close()
-
     def measure(row: str, rep: int) -> dict[str, Any]:
         use(row)
-        stamps: list[float] = []
-        out = reply(lambda _t: stamps.append(time.perf_counter()) and None)
-        tps = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-        harness.say(f"[{rep + 1}/{args.repeats}] {row}: decode {tps:.1f} tok/s")
-        return {"decode_tok_s": tps, "seconds_per_token": 1 / tps, "tokens": out.tokens}
+        result = common.decode_rate(loaded, ids, args.new_tokens)
+        harness.say(f"[{rep + 1}/{args.repeats}] {row}: decode {result['decode_tok_s']:.1f} tok/s")
+        return result
 
     use(COMPILED)
     started = time.perf_counter()
-    reply()  # any recompile for the real tensors' layouts happens here, not in a timed row
+    # any recompile for the real tensors' layouts happens here, not in a timed row
+    common.session_reply(loaded, ids, args.new_tokens)
     harness.say(f"warm-up reply with the compiled half: {time.perf_counter() - started:.1f} s")
     runs = harness.interleaved((EAGER, COMPILED), args.repeats, measure)
     same_tokens = all(a["tokens"] == b["tokens"] for a, b in zip(runs[EAGER], runs[COMPILED]))
@@ -211,10 +196,13 @@ def main() -> None:
     # every step, against the standard cache
     use(COMPILED)
     with tempfile.TemporaryDirectory() as spill:
-        bounded = reply(
-            cache=CacheSettings(max_mem=4 * 10**6, checkpoint="residual"), spill=Path(spill)
+        ceiling = CacheSettings(max_mem=4 * 10**6, checkpoint="residual")
+        bounded = common.session_reply(
+            loaded, ids, args.new_tokens, cache=ceiling, spill_root=Path(spill)
         )
-    unbounded = reply(cache=CacheSettings(kind="standard"))
+    unbounded = common.session_reply(
+        loaded, ids, args.new_tokens, cache=CacheSettings(kind="standard")
+    )
     use(EAGER)
     bounded_same = bounded.tokens == unbounded.tokens
 

@@ -56,9 +56,6 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     import kvchat.chat.generate as generate_module
-    from kvchat.chat.generate import generate
-    from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import SamplingSettings
     from kvchat.lab.texts import STORY
     from kvchat.models.decode_step import decode_step_for
     from kvchat.models.load import load
@@ -78,24 +75,11 @@ def main() -> None:
         generate_module.decode_step_for = (lambda _m: None) if row == MODEL_PATH else with_step
         step.packs_gqa = row == PACKED
 
-    def reply(on_token=None) -> Any:
-        session = ChatSession(loaded)
-        try:
-            return generate(
-                loaded.model, session.cache, ids, device=loaded.device,
-                settings=SamplingSettings(max_new_tokens=args.new_tokens), stop_ids=set(),
-                prefill_chunk=256, before_forward=session.before_forward, on_token=on_token,
-            )  # fmt: skip
-        finally:
-            session.close()
-
     def measure(row: str, rep: int) -> dict[str, Any]:
         use(row)
-        stamps: list[float] = []
-        out = reply(lambda _t: stamps.append(time.perf_counter()) and None)
-        tps = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-        harness.say(f"[{rep + 1}/{args.repeats}] {row}: decode {tps:.1f} tok/s")
-        return {"decode_tok_s": tps, "seconds_per_token": 1 / tps, "tokens": out.tokens}
+        result = common.decode_rate(loaded, ids, args.new_tokens)
+        harness.say(f"[{rep + 1}/{args.repeats}] {row}: decode {result['decode_tok_s']:.1f} tok/s")
+        return result
 
     harness.say(f"load average at start: {harness.environment(None)['loadavg_at_start']}")
     runs = harness.interleaved(ROWS, args.repeats, measure)
@@ -131,7 +115,7 @@ def main() -> None:
                 prof.start()
 
         with torch.inference_mode():
-            reply(on_token)
+            common.session_reply(loaded, ids, args.new_tokens, on_token=on_token)
         prof.stop()
         steps = len(stamps) - 1
         totals = {kind: 0.0 for kind in KINDS.values()} | {"other ops": 0.0}

@@ -113,6 +113,44 @@ def stamped_generate(
     return outcome, harness.intervals(calls[n_prefill_calls:])
 
 
+def session_reply(
+    loaded: Any,
+    prompt: list[int],
+    new_tokens: int,
+    *,
+    cache: Any = None,
+    spill_root: Path | None = None,
+    on_token: Callable[[int], None] | None = None,
+) -> Any:
+    """One greedy reply of exactly ``new_tokens`` after ``prompt`` through a fresh
+    ``ChatSession`` (``cache``: its ``CacheSettings``) and kvchat's ``generate``, the prompt
+    in chunks of 256; the session is closed after."""
+    from kvchat.chat.generate import generate
+    from kvchat.chat.session import ChatSession
+    from kvchat.chat.settings import SamplingSettings
+
+    session = ChatSession(loaded, cache=cache, spill_root=spill_root)
+    try:
+        return generate(
+            loaded.model, session.cache, prompt, device=loaded.device,
+            settings=SamplingSettings(max_new_tokens=new_tokens), stop_ids=set(),
+            prefill_chunk=256, before_forward=session.before_forward, on_token=on_token,
+        )  # fmt: skip
+    finally:
+        session.close()
+
+
+def decode_rate(loaded: Any, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """:func:`session_reply` timed from its first token to its last: ``decode_tok_s``,
+    ``seconds_per_token`` and the greedy ``tokens``."""
+    stamps: list[float] = []
+    out = session_reply(
+        loaded, prompt, new_tokens, on_token=lambda _t: stamps.append(time.perf_counter())
+    )
+    tps = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    return {"decode_tok_s": tps, "seconds_per_token": 1 / tps, "tokens": out.tokens}
+
+
 def timed_step(loaded: Any, session: Any, token: int) -> tuple[int, float]:
     """Feed ``token`` to ``session``'s cache as the decode loop does: (next greedy token, s).
 

@@ -34,6 +34,17 @@ def on_the_model_path(monkeypatch, model, cache, **kwargs):
         return run_conversation(model, cache, **kwargs)
 
 
+def on_a_residual_cache(model):
+    """``run_conversation`` on a KV-Direct cache with residual checkpoints and a hot window
+    of 4 (so K/V are replayed), and how many tokens it recomputed."""
+    adapter = ArchAdapter(model)
+    cache = KVDirectCache(adapter, ["residual"] * adapter.num_layers, 4).attach()
+    try:
+        return run_conversation(model, cache), cache.stats.recomputed_tokens
+    finally:
+        cache.detach()
+
+
 def same_kv(a, b) -> bool:
     return all(
         torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
@@ -83,13 +94,8 @@ def test_bounded_cache_through_the_step_equals_the_standard_cache(mode):
     # the model's modules: the same bits as the standard cache through the same steps.
     model = model_in("smollm2", mode, torch.float32)
     ref = run_conversation(model, DynamicCache(config=model.config))
-    adapter = ArchAdapter(model)
-    cache = KVDirectCache(adapter, ["residual"] * adapter.num_layers, 4).attach()
-    try:
-        got = run_conversation(model, cache)
-    finally:
-        cache.detach()
-    assert cache.stats.recomputed_tokens > 0
+    got, recomputed = on_a_residual_cache(model)
+    assert recomputed > 0
     assert got[0] == ref[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
 
@@ -110,17 +116,12 @@ def test_a_replaced_after_attention_half_runs_and_keeps_bounded_equal_to_standar
     step.after_attention = shifted
     try:
         ref = run_conversation(model, DynamicCache(config=model.config))
-        adapter = ArchAdapter(model)
-        cache = KVDirectCache(adapter, ["residual"] * adapter.num_layers, 4).attach()
-        try:
-            got = run_conversation(model, cache)
-        finally:
-            cache.detach()
+        got, recomputed = on_a_residual_cache(model)
     finally:
         forget_decode_step(model)
     assert calls[: len(step.layers)] == list(range(len(step.layers)))
     assert not all(torch.equal(a, b) for a, b in zip(ref[1], plain[1]))
-    assert cache.stats.recomputed_tokens > 0
+    assert recomputed > 0
     assert got[0] == ref[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
 
