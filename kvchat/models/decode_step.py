@@ -126,16 +126,6 @@ def _packed_gqa_attention(
     return out.reshape(batch, 1, heads * dim)
 
 
-def _holds_quantized_layers(model: nn.Module) -> bool:
-    """Whether kvchat quantized ``model`` (``quantize.is_quantized`` without its bit widths;
-    not imported from there, as ``quantize`` drops a model's step when it replaces layers)."""
-    from kvchat.models.fused import ProjectionGroup
-    from kvchat.models.qlinear import Int4Linear, Int8Linear
-
-    kinds = (Int4Linear, Int8Linear, ProjectionGroup)
-    return any(isinstance(module, kinds) for module in model.modules())
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -165,7 +155,9 @@ class DecodeStep:
         # kvchat quantized has no such reference; its steps pack GQA (see
         # _packed_gqa_attention), the same for every cache, so bounded still equals
         # unbounded bit for bit.
-        self.packs_gqa = _holds_quantized_layers(model)
+        from kvchat.models.fused import weight_widths
+
+        self.packs_gqa = bool(weight_widths(model))
         from transformers.masking_utils import create_causal_mask
 
         self.create_mask = create_causal_mask

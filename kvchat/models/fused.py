@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvchat.models.qlinear import Int4Linear, Int8Linear, int4_mm, int8_mm
+from kvchat.models.qlinear import Int4Linear, Int8Embedding, Int8Linear, int4_mm, int8_mm
 
 # The group's name on the parent module, its members in the order they are stacked, and the
 # members a call may start from (each needs its own copy of the scales from there on; k_proj
@@ -36,7 +36,7 @@ SIBLINGS = (
 )
 _CHECK_ROWS = (1, 3)
 
-__all__ = ["FusedProjection", "ProjectionGroup", "fuse_siblings", "stacked_group"]
+__all__ = ["FusedProjection", "ProjectionGroup", "fuse_siblings", "stacked_group", "weight_widths"]
 
 
 class ProjectionGroup(nn.Module):
@@ -232,3 +232,18 @@ def _same_bits(group: ProjectionGroup, members: list[nn.Module]) -> bool:
                     return False
     group.forget()
     return True
+
+
+def weight_widths(model: nn.Module) -> set[int]:
+    """The bit widths of the quantized weights ``model`` holds (empty: float weights only).
+    Here, not in ``quantize``, so that ``decode_step`` can ask too: ``quantize`` drops a
+    model's step when it replaces layers, and importing it from there would be a cycle."""
+    widths = set()
+    for module in model.modules():
+        if isinstance(module, (Int8Linear, Int8Embedding)):
+            widths.add(8)
+        elif isinstance(module, Int4Linear):
+            widths.add(4)
+        elif isinstance(module, ProjectionGroup):
+            widths.add(4 if module.int4 else 8)
+    return widths

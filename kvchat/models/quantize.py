@@ -114,19 +114,9 @@ def _set_module(model: Any, name: str, module: Any) -> None:
 
 def is_quantized(model: Any, *, bits: int | None = None) -> bool:
     """True if any layer holds quantized weights (of ``bits`` bits, if given)."""
-    from kvchat.models.fused import ProjectionGroup
-    from kvchat.models.qlinear import Int4Linear, Int8Embedding, Int8Linear
+    from kvchat.models.fused import weight_widths
 
-    def width(m: Any) -> int | None:
-        if isinstance(m, (Int8Linear, Int8Embedding)):
-            return 8
-        if isinstance(m, Int4Linear):
-            return 4
-        if isinstance(m, ProjectionGroup):
-            return 4 if m.int4 else 8
-        return None
-
-    found = {width(m) for m in model.modules()} - {None}
+    found = weight_widths(model)
     return bool(found) if bits is None else bits in found
 
 
