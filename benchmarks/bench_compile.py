@@ -73,6 +73,8 @@ def main() -> None:
     ids = AutoTokenizer.from_pretrained(path)(STORY, add_special_tokens=False)["input_ids"]
     ids = ids[: args.context]
     step = decode_step_for(loaded.model)
+    if step is not None:
+        step.use_native = False  # eager and compiled Python halves, not the C++ layers
     layers = step.layers if step is not None else []
     if not layers or not all(
         isinstance(layer.o_proj, Int4Linear)

@@ -1,6 +1,8 @@
 """What the lean decode step buys: kvchat's decode through the model's own forward, through
-``kvchat.models.decode_step`` with the model's attention function, and with packed GQA
-attention (what quantized models use), in one process, interleaved.
+``kvchat.models.decode_step`` with the model's attention function, with packed GQA
+attention, and with its layers in C++ (``kvchat.models.native``: what quantized models use
+once the library is built; the row is skipped without a C++ compiler), in one process,
+interleaved.
 
 Same model as the engine holds it (``--weights auto``: int4 for the default model), the
 same ~500-token prompt of real text and 64 greedy tokens as ``bench_peers.py``, kvchat's
@@ -30,8 +32,9 @@ from kvchat.lab import harness  # noqa: E402
 
 MODEL_PATH = "model forward (transformers' modules)"
 EXACT = "decode step, the model's attention"
-PACKED = "decode step, packed GQA (quantized default)"
-ROWS = (MODEL_PATH, EXACT, PACKED)
+PACKED = "decode step, packed GQA"
+NATIVE = "decode step, C++ layers (quantized default)"
+ROWS = (MODEL_PATH, EXACT, PACKED, NATIVE)
 KINDS = {
     "_weight_int4pack_mm": "int4 kernels",
     "_weight_int8pack_mm": "int8 kernels (head)",
@@ -69,11 +72,15 @@ def main() -> None:
     if step is None:
         sys.exit(f"{args.model} has no lean decode step (not a Llama-family model)")
     quantized = step.packs_gqa
+    rows_run = ROWS if quantized and step.wait_for_native(600) else ROWS[:-1]
+    if rows_run != ROWS:
+        harness.say(f"skipped '{NATIVE}': no C++ layers (float weights or no C++ compiler)")
     with_step = generate_module.decode_step_for
 
     def use(row: str) -> None:
         generate_module.decode_step_for = (lambda _m: None) if row == MODEL_PATH else with_step
-        step.packs_gqa = row == PACKED
+        step.packs_gqa = row in (PACKED, NATIVE)
+        step.use_native = row == NATIVE
 
     def measure(row: str, rep: int) -> dict[str, Any]:
         use(row)
@@ -82,10 +89,10 @@ def main() -> None:
         return result
 
     harness.say(f"load average at start: {harness.environment(None)['loadavg_at_start']}")
-    runs = harness.interleaved(ROWS, args.repeats, measure)
+    runs = harness.interleaved(rows_run, args.repeats, measure)
     base = runs[MODEL_PATH]
     rows = []
-    for row in ROWS:
+    for row in rows_run:
         same = all(r["tokens"] == b["tokens"] for r, b in zip(runs[row], base))
         ratio = harness.median_ratio(base, runs[row], "seconds_per_token")
         tps = harness.median(r["decode_tok_s"] for r in runs[row])
@@ -100,12 +107,12 @@ def main() -> None:
     )
     if not quantized:
         print(f"\n(float weights: kvchat's default here is the '{EXACT}' row)")
-    fields: dict[str, Any] = {"rows": {row: runs[row] for row in ROWS}}
+    fields: dict[str, Any] = {"rows": {row: runs[row] for row in rows_run}}
 
     if args.profile:
         from torch.profiler import profile
 
-        use(PACKED if quantized else EXACT)
+        use(rows_run[-1] if quantized else EXACT)
         stamps: list[float] = []
         prof = profile()
 

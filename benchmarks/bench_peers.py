@@ -340,6 +340,7 @@ def main() -> None:
     args.n_ctx_of = peers
     env = harness.environment(args.threads)
     harness.say(f"load average at start: {env['loadavg_at_start']}; threads {args.threads}")
+    harness.say(common.build_native_layers())
     names = [*KVCHAT_ROWS, HF]
     why_not = llama_available()
     if why_not is None:

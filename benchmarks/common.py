@@ -261,3 +261,21 @@ def user_text(loaded: Any, target_tokens: int, seed: int) -> tuple[str, int]:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if prompt_tokens(mid) <= target_tokens else (lo, mid)
     return notes(lo, seed), prompt_tokens(lo)
+
+
+def build_native_layers() -> str:
+    """Build kvchat's C++ decode layers (``kvchat.models.native``) before anything is timed,
+    in a process of its own, so that no measured run pays for the build; what happened, in
+    words."""
+    import subprocess
+
+    code = (
+        "from kvchat.models.native import build\n"
+        "b = build.start()\n"
+        "print(b.wait(600) if b else 'none (KVCHAT_NATIVE=0, no C++ compiler, or a failed build)')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=REPO_ROOT
+    )
+    lines = (done.stdout or done.stderr).strip().splitlines()
+    return f"C++ decode layers: {lines[-1] if lines else 'no answer'}"

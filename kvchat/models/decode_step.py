@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DecodeStep", "decode_step_for", "forget_decode_step"]
+__all__ = ["DecodeStep", "decode_step_for", "forget_decode_step", "prepare_decode_step"]
 
 _steps: weakref.WeakKeyDictionary[nn.Module, DecodeStep | None] = weakref.WeakKeyDictionary()
 
@@ -58,6 +58,14 @@ def decode_step_for(model: nn.Module) -> DecodeStep | None:
     if step is None or model.training or step.hooked(model):
         return None
     return step
+
+
+def prepare_decode_step(model: nn.Module) -> None:
+    """Build ``model``'s step now, and with it start (or load) its C++ layers, so that the
+    first reply does not wait for either."""
+    step = decode_step_for(model)
+    if step is not None:
+        step.wait_for_native(0)
 
 
 def forget_decode_step(model: nn.Module) -> None:
@@ -161,6 +169,18 @@ class DecodeStep:
         from transformers.masking_utils import create_causal_mask
 
         self.create_mask = create_causal_mask
+        # The layers in C++ (kvchat.models.native), for the quantized forms it serves: its
+        # build starts here in the background and the step switches over once it is built
+        # and agrees bit for bit; until then, and without a compiler, the Python layers run.
+        self.use_native = True
+        self.native: Any = None
+        self._native_build: Any = None
+        if self.packs_gqa:
+            from kvchat.models.native import build as native_build
+            from kvchat.models.native.layers import serves
+
+            if serves(self):
+                self._native_build = native_build.start()
 
     @classmethod
     def build(cls, model: nn.Module) -> DecodeStep | None:
@@ -216,26 +236,86 @@ class DecodeStep:
             cache, "note_layer_input", None
         )
         packed = self.packs_gqa and mask is None and self.config._attn_implementation == "sdpa"
+        native = self._native_layers() if packed and hidden.dtype == torch.float32 else None
+        if native is not None:
+            for layer in self.layers:
+                index = layer.index
+                if note_input is not None:
+                    note_input(index, hidden)
+                query, key, value = native.before_attention(index, hidden, cos, sin)
+                key, value = cache.update(key, value, index)
+                hidden = native.after_attention(index, hidden, query, key, value)
+            hidden = _rms_norm(self.norm, hidden)
+            return self.head(hidden)[0, -1]
         attention = None if packed else self._attention_function()
-        head_dim = self.head_dim
         for layer in self.layers:
             if note_input is not None:
                 note_input(layer.index, hidden)
-            residual = hidden
-            x = _rms_norm(layer.input_norm, hidden)
-            query, key, value = self._qkv(layer, x, cos, sin, head_dim)
+            query, key, value = self.python_before_attention(layer, hidden, cos, sin)
             key, value = cache.update(key, value, layer.index)
             if packed:
-                out = _packed_gqa_attention(query, key, value, layer.attention.scaling)
-            else:
-                out, _ = attention(
-                    layer.attention, query, key, value, mask, dropout=0.0,
-                    scaling=layer.attention.scaling,
-                )  # fmt: skip
-                out = out.reshape(1, 1, -1).contiguous()
-            hidden = self.after_attention(layer, residual, out)
+                hidden = self.python_after_attention(layer, hidden, query, key, value)
+                continue
+            out, _ = attention(
+                layer.attention, query, key, value, mask, dropout=0.0,
+                scaling=layer.attention.scaling,
+            )  # fmt: skip
+            hidden = self.after_attention(layer, hidden, out.reshape(1, 1, -1).contiguous())
         hidden = _rms_norm(self.norm, hidden)
         return self.head(hidden)[0, -1]
+
+    def python_before_attention(
+        self, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's rotated query and key, and value, from its input (``[1, 1, hidden]``):
+        the input norm, the projections and the rotary products."""
+        x = _rms_norm(layer.input_norm, hidden)
+        return self._qkv(layer, x, cos, sin, self.head_dim)
+
+    def python_after_attention(
+        self,
+        layer: _Layer,
+        residual: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layer's output for a quantized model: packed-GQA attention over the cache's
+        ``key`` and ``value``, then :meth:`after_attention`."""
+        out = _packed_gqa_attention(query, key, value, layer.attention.scaling)
+        return self.after_attention(layer, residual, out)
+
+    def _native_layers(self) -> Any:
+        """The C++ layers once built and checked; None until then, or without them."""
+        if not self.use_native or "after_attention" in self.__dict__:
+            return None  # off, or a replaced after_attention (bench_compile.py) must run
+        build = self._native_build
+        if build is not None and build.done():
+            self._native_build = None
+            self.native = self._checked_native(build.wait())
+        return self.native
+
+    def wait_for_native(self, timeout: float | None = None) -> bool:
+        """Block until the C++ layers' build ends (benchmarks and tests); whether they are
+        in use now."""
+        build = self._native_build
+        if build is not None:
+            path = build.wait(timeout)
+            if build.done():
+                self._native_build = None
+                self.native = self._checked_native(path)
+        return self.native is not None
+
+    def _checked_native(self, path: Any) -> Any:
+        from kvchat.models.native.layers import NativeLayers, load_library
+
+        if path is None or not load_library(str(path)):
+            return None
+        try:
+            layers = NativeLayers(self)
+            return layers if layers.agrees(self) else None
+        except RuntimeError:  # an op's schema or a kernel refused: the Python layers serve
+            return None
 
     def after_attention(
         self, layer: _Layer, residual: torch.Tensor, attention_out: torch.Tensor

@@ -112,6 +112,11 @@ class ProjectionGroup(nn.Module):
         the one kernel call a decode step makes (``kvchat.models.decode_step``)."""
         return self._run(self._plan(0), x)
 
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked weight and scales one :meth:`stacked` call hands the kernel."""
+        plan = self._plan(0)
+        return plan.weight, plan.scales
+
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each member's output for ``x`` (``[rows, width]``, bias added), from one call."""
         plan = self._plan(0)

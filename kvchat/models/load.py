@@ -51,6 +51,9 @@ def load(
     dtype_name = str(getattr(model, "dtype", param.dtype)).removeprefix("torch.")
     weights_bytes = weights_nbytes(model)
     set_decode_threads(decode_threads or decode_threads_for(weights_bytes, threads))
+    from kvchat.models.decode_step import prepare_decode_step
+
+    prepare_decode_step(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -1,0 +1,73 @@
+"""Building the C++ decode layers (``kvchat.models.native.build``): cached per torch and
+source, never retried after a failure, off on request, and never in the way."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from kvchat.models.native import build
+
+
+@pytest.fixture()
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_off_when_asked(private_cache, monkeypatch):
+    monkeypatch.setenv("KVCHAT_NATIVE", "0")
+    assert build.library_path() is None
+    assert build.start() is None
+    assert not any(private_cache.iterdir())
+
+
+def test_without_a_compiler_nothing_is_built(private_cache, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert build.start() is None
+    assert not any(private_cache.iterdir())
+
+
+def failing_compiler(tmp_path):
+    script = tmp_path / "bad-cxx"
+    script.write_text("#!/bin/sh\necho 'fatal error: torch/library.h: No such file'\nexit 1\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+@pytest.mark.skipif(os.name != "posix", reason="a shell-script compiler")
+def test_a_failed_build_is_recorded_with_its_output_and_not_retried(private_cache, monkeypatch):
+    monkeypatch.setenv("CXX", str(failing_compiler(private_cache)))
+    started = build.start()
+    assert started is not None
+    assert started.wait(60) is None
+    marker = started.target.with_suffix(".failed")
+    assert "No such file" in marker.read_text()
+    assert not started.target.exists()
+    assert not list(marker.parent.glob("*.tmp")) and not list(marker.parent.glob("*.log"))
+    assert build.start() is None  # not retried for this key
+
+
+def test_the_key_follows_the_source_and_the_compiler(private_cache, monkeypatch, tmp_path):
+    first = build.library_path()
+    if first is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("CXX", str(failing_compiler(tmp_path)))
+    assert build.library_path() != first
+    monkeypatch.delenv("CXX")
+    source = tmp_path / "decode_layer.cpp"
+    source.write_text(build.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(build, "SOURCE", source)
+    assert build.library_path() != first
+
+
+def test_a_real_build_lands_in_the_cache_and_is_found_again(private_cache):
+    if build.library_path() is None:
+        pytest.skip("no C++ compiler")
+    started = build.start()
+    path = started.wait(300)
+    assert path is not None and path.exists() and path.parent == private_cache / "native"
+    again = build.start()
+    assert again is not None and again.process is None and again.wait() == path
