@@ -45,6 +45,9 @@ def main() -> None:
     import transformers  # noqa: F401
 
     step("import transformers")
+    from kvchat.models.lean_imports import leave_out_scipy
+
+    leave_out_scipy()  # as kvchat.models.load does first
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     step("transformers' Llama modeling code")

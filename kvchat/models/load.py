@@ -36,6 +36,9 @@ def load(
     )
 
     prefer_passive_wait()  # a no-op when torch is already loaded; see kvchat.threads
+    from kvchat.models.lean_imports import leave_out_scipy
+
+    leave_out_scipy()
     from kvchat.kvdirect.footprint import footprint_from_config
     from kvchat.models.heap import return_freed_memory
 
