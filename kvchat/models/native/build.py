@@ -49,11 +49,13 @@ def compiler() -> str | None:
 
 def _command(cxx: str, output: Path) -> list[str]:
     import torch
-    from torch.utils import cpp_extension
 
+    # torch.utils.cpp_extension knows these paths too, but importing it imports setuptools
+    # (0.1 s and 4 MiB in every chat process); a wheel's layout is include/ and lib/.
+    root = Path(torch.__file__).resolve().parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    libraries = cpp_extension.library_paths()
+    includes = [f"-I{root / 'include'}"]
+    libraries = [str(root / "lib")]
     links = [f"-L{p}" for p in libraries] + [f"-Wl,-rpath,{p}" for p in libraries]
     return [
         cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
