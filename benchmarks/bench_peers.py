@@ -25,6 +25,10 @@ Rows:
   with the conversation). Skipped, with a message, when ``llama_cpp`` is not importable
   (install the wheel in ../shared/peers/).
 
+Before any run, kvchat's C++ decode layers are built (``kvchat.models.native``; once per
+torch version, in a process of its own), so that no timed run pays for the build; the line
+``C++ decode layers:`` says which library the rows use, or why none.
+
 kvchat's rows run with kvchat's own thread settings (``kvchat.threads``: passive
 OpenMP waits after a short spin); ``generate`` and llama.cpp (whose ggml also uses libgomp)
 run in the environment the benchmark was launched in, as their users run them.

@@ -27,6 +27,12 @@ while every cache runs the same steps: bounded still equals unbounded bit for bi
 weights mode, which is the cache's promise (``tests/kvdirect``). Replaying a checkpoint
 recomputes K/V only, never attention, so replayed K/V still match the steps' own.
 
+The layers in C++: for the quantized CPU form the default model takes, each layer's two
+halves around the cache's update (input norm, q/k/v and rotary; then attention, o_proj and
+the MLP) run in ``kvchat.models.native`` once its library is built (in the background, at
+first use) and has given these halves' bits on this machine; until then, without a C++
+compiler, or with ``KVCHAT_NATIVE=0``, the Python halves below run, with the same output.
+
 What it does not do: module hooks do not fire (nothing of transformers' or torch's hook
 machinery runs). A cache that keeps the layers' inputs (the KV-Direct cache's residual
 checkpoints, taken by a forward pre-hook on the model path) is handed them through its

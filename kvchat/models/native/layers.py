@@ -96,38 +96,15 @@ class NativeLayers:
         self.before: list[tuple[Any, ...]] = []
         self.after: list[tuple[Any, ...]] = []
         for layer in step.layers:
-            qkv_w, qkv_s, qkv_g = _stacked(layer.qkv)
-            gu_w, gu_s, gu_g = _stacked(layer.gate_up)
-            o_w, o_s, o_g = _projection(layer.o_proj)
-            d_w, d_s, d_g = _projection(layer.down)
-            self.before.append(
-                (
-                    layer.input_norm.weight,
-                    float(layer.input_norm.variance_epsilon),
-                    qkv_w,
-                    qkv_s,
-                    qkv_g,
-                    layer.qkv.widths[0],
-                    layer.qkv.widths[1],
-                    self.head_dim,
-                )  # fmt: skip
-            )
+            # The ops' argument order (decode_layer.cpp): a projection is (weight, scales,
+            # group), a norm (weight, eps).
+            input_norm = (layer.input_norm.weight, float(layer.input_norm.variance_epsilon))
+            post_norm = (layer.post_norm.weight, float(layer.post_norm.variance_epsilon))
+            qkv_widths = (layer.qkv.widths[0], layer.qkv.widths[1], self.head_dim)
+            self.before.append((*input_norm, *_stacked(layer.qkv), *qkv_widths))
             self.after.append(
-                (
-                    float(layer.attention.scaling),
-                    o_w,
-                    o_s,
-                    o_g,
-                    layer.post_norm.weight,
-                    float(layer.post_norm.variance_epsilon),
-                    gu_w,
-                    gu_s,
-                    gu_g,
-                    layer.gate_up.widths[0],
-                    d_w,
-                    d_s,
-                    d_g,
-                )  # fmt: skip
+                (float(layer.attention.scaling), *_projection(layer.o_proj), *post_norm)
+                + (*_stacked(layer.gate_up), layer.gate_up.widths[0], *_projection(layer.down))
             )
         ops = torch.ops.kvchat_native
         self._before_op = ops.before_attention
