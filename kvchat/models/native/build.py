@@ -128,13 +128,6 @@ class Build:
         os.replace(self.log, self.failed_marker)
 
 
-def _lower_priority() -> None:  # pragma: no cover - runs in the child
-    try:
-        os.nice(_NICE)
-    except OSError:
-        pass
-
-
 def start() -> Build | None:
     """The library's build: done if it exists, else started in the background. None when
     disabled, without a compiler, or after a failed build of this key."""
@@ -145,19 +138,25 @@ def start() -> Build | None:
         return Build(target, None)
     if target.with_suffix(".failed").exists():
         return None
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # an unwritable cache: the Python step serves
     build = Build(target, None)
     cxx = compiler()
     assert cxx is not None
     try:
         # Into a file, not a pipe: a long error would fill a pipe nobody reads until the end.
+        # Niced through nice(1), not a preexec_fn: the chat app loads models beside other
+        # threads, where a preexec_fn can deadlock the child.
+        nice = shutil.which("nice")
+        lower = [nice, "-n", str(_NICE)] if nice else []
         with build.log.open("wb") as log:
             build.process = subprocess.Popen(
-                _command(cxx, build.temporary),
+                [*lower, *_command(cxx, build.temporary)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_lower_priority if os.name == "posix" else None,
             )
     except OSError as exc:
         build.log.unlink(missing_ok=True)

@@ -71,3 +71,12 @@ def test_a_real_build_lands_in_the_cache_and_is_found_again(private_cache):
     assert path is not None and path.exists() and path.parent == private_cache / "native"
     again = build.start()
     assert again is not None and again.process is None and again.wait() == path
+
+
+def test_an_unwritable_cache_builds_nothing_and_raises_nothing(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory would be")
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(blocker))
+    if build.library_path() is None:
+        pytest.skip("no C++ compiler")
+    assert build.start() is None
