@@ -243,30 +243,26 @@ class DecodeStep:
         )
         packed = self.packs_gqa and mask is None and self.config._attn_implementation == "sdpa"
         native = self._native_layers() if packed and hidden.dtype == torch.float32 else None
-        if native is not None:
-            for layer in self.layers:
-                index = layer.index
-                if note_input is not None:
-                    note_input(index, hidden)
-                query, key, value = native.before_attention(index, hidden, cos, sin)
-                key, value = cache.update(key, value, index)
-                hidden = native.after_attention(index, hidden, query, key, value)
-            hidden = _rms_norm(self.norm, hidden)
-            return self.head(hidden)[0, -1]
         attention = None if packed else self._attention_function()
         for layer in self.layers:
+            index = layer.index
             if note_input is not None:
-                note_input(layer.index, hidden)
-            query, key, value = self.python_before_attention(layer, hidden, cos, sin)
-            key, value = cache.update(key, value, layer.index)
-            if packed:
+                note_input(index, hidden)
+            if native is not None:
+                query, key, value = native.before_attention(index, hidden, cos, sin)
+            else:
+                query, key, value = self.python_before_attention(layer, hidden, cos, sin)
+            key, value = cache.update(key, value, index)
+            if native is not None:
+                hidden = native.after_attention(index, hidden, query, key, value)
+            elif packed:
                 hidden = self.python_after_attention(layer, hidden, query, key, value)
-                continue
-            out, _ = attention(
-                layer.attention, query, key, value, mask, dropout=0.0,
-                scaling=layer.attention.scaling,
-            )  # fmt: skip
-            hidden = self.after_attention(layer, hidden, out.reshape(1, 1, -1).contiguous())
+            else:
+                out, _ = attention(
+                    layer.attention, query, key, value, mask, dropout=0.0,
+                    scaling=layer.attention.scaling,
+                )  # fmt: skip
+                hidden = self.after_attention(layer, hidden, out.reshape(1, 1, -1).contiguous())
         hidden = _rms_norm(self.norm, hidden)
         return self.head(hidden)[0, -1]
 
@@ -295,33 +291,33 @@ class DecodeStep:
         """The C++ layers once built and checked; None until then, or without them."""
         if not self.use_native or "after_attention" in self.__dict__:
             return None  # off, or a replaced after_attention (bench_compile.py) must run
-        build = self._native_build
-        if build is not None and build.done():
-            self._native_build = None
-            self.native = self._checked_native(build.wait())
+        if self._native_build is not None and self._native_build.done():
+            self._take_build()
         return self.native
 
     def wait_for_native(self, timeout: float | None = None) -> bool:
         """Block until the C++ layers' build ends (benchmarks and tests); whether they are
         in use now."""
-        build = self._native_build
-        if build is not None:
-            path = build.wait(timeout)
-            if build.done():
-                self._native_build = None
-                self.native = self._checked_native(path)
+        if self._native_build is not None:
+            self._native_build.wait(timeout)
+            if self._native_build.done():
+                self._take_build()
         return self.native is not None
 
-    def _checked_native(self, path: Any) -> Any:
+    def _take_build(self) -> None:
+        """Load the ended build's library and use it if it agrees (else the Python layers)."""
         from kvchat.models.native.layers import NativeLayers, load_library
 
+        build, self._native_build = self._native_build, None
+        path = build.wait()
+        self.native = None
         if path is None or not load_library(str(path)):
-            return None
+            return
         try:
             layers = NativeLayers(self)
-            return layers if layers.agrees(self) else None
+            self.native = layers if layers.agrees(self) else None
         except RuntimeError:  # an op's schema or a kernel refused: the Python layers serve
-            return None
+            pass
 
     def after_attention(
         self, layer: _Layer, residual: torch.Tensor, attention_out: torch.Tensor

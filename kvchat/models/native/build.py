@@ -72,14 +72,19 @@ def _key(cxx: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def library_path() -> Path | None:
-    """Where this torch's library is, or is to be built (None: no compiler, or disabled)."""
+def _compiler_and_target() -> tuple[str, Path] | None:
     if not enabled():
         return None
     cxx = compiler()
     if cxx is None:
         return None
-    return cache_dir() / "native" / f"decode_layer-{_key(cxx)}.so"
+    return cxx, cache_dir() / "native" / f"decode_layer-{_key(cxx)}.so"
+
+
+def library_path() -> Path | None:
+    """Where this torch's library is, or is to be built (None: no compiler, or disabled)."""
+    found = _compiler_and_target()
+    return None if found is None else found[1]
 
 
 class Build:
@@ -131,9 +136,10 @@ class Build:
 def start() -> Build | None:
     """The library's build: done if it exists, else started in the background. None when
     disabled, without a compiler, or after a failed build of this key."""
-    target = library_path()
-    if target is None:
+    found = _compiler_and_target()
+    if found is None:
         return None
+    cxx, target = found
     if target.exists():
         return Build(target, None)
     if target.with_suffix(".failed").exists():
@@ -143,8 +149,6 @@ def start() -> Build | None:
     except OSError:
         return None  # an unwritable cache: the Python step serves
     build = Build(target, None)
-    cxx = compiler()
-    assert cxx is not None
     try:
         # Into a file, not a pipe: a long error would fill a pipe nobody reads until the end.
         # Niced through nice(1), not a preexec_fn: the chat app loads models beside other
