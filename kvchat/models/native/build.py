@@ -4,7 +4,7 @@ Why at run time and not at install: the library links against torch's own C++ li
 so it must be built for the torch in use, and building it at ``pip install`` would need
 torch inside pip's build environment (a second, multi-GB torch on a fresh machine). A C++
 compiler is the only other need; without one (or when a build fails) kvchat decodes in
-Python, with the same bits, a little slower (``benchmarks/bench_decode_step.py``).
+Python, with the same bits, about 12 % slower (``benchmarks/bench_decode_step.py``).
 
 The library goes to ``<cache dir>/native/decode_layer-<key>.so``, where the key hashes the
 source, torch's version and the compiler command, so a new torch or a new source builds
