@@ -89,16 +89,17 @@ def convert_gguf(gguf: Path, target: Path, sha256: str, say: Progress) -> None:
 def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
     """Config, float32 weights and tokenizer of ``gguf``, written into ``out``.
 
-    transformers' own GGUF loader (``load_gguf_checkpoint``: dequantize, undo llama.cpp's
-    Q/K permutation, map names) fills a skeleton whose parameters take no memory.
-    ``from_pretrained(gguf_file=...)`` would compute the same tensors
-    (tests/models/test_models.py) but refuses to run without accelerate, which it does not
-    use for this, and which would then be imported by every chat process.
+    The weights go one tensor at a time (:func:`_stream_weights`), so the conversion never
+    holds a float32 copy of the whole model: that copy was 513 MiB for the default model,
+    twice the RSS of the chat that follows. Each tensor is what transformers' own GGUF
+    loader computes (``load_gguf_checkpoint``: dequantize, undo llama.cpp's Q/K permutation,
+    map names), and the file has the bytes ``safetensors.torch.save_model`` writes for the
+    loaded model (tests/models/test_models.py). ``from_pretrained(gguf_file=...)`` would
+    compute the same tensors but refuses to run without accelerate, which it does not use
+    for this, and which would then be imported by every chat process.
     """
-    import safetensors.torch
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from kvchat.models.meta_init import parameters_on_meta
 
@@ -110,24 +111,175 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
             del config.quantization_config
         with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        say("dequantizing the GGUF weights")
-        tensors = load_gguf_checkpoint(
-            str(gguf), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-        )["tensors"]
-        model.load_state_dict(tensors, strict=False, assign=True)
-        del tensors
         model.tie_weights()
-        missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-        if missing:
-            raise ValueError(f"the GGUF lacks {len(missing)} weights, e.g. {missing[0]}")
-        say("writing safetensors")
+        say("dequantizing the GGUF weights")
+        weights_file = out / "model.safetensors"
+        if not _stream_weights(gguf, model, weights_file, say):
+            _whole_weights(gguf, model, weights_file)
+        say("writing the config and tokenizer")
         model.config.save_pretrained(out)
         if model.generation_config is not None:
             with contextlib.suppress(Exception):
                 model.generation_config.save_pretrained(out)
-        safetensors.torch.save_model(model, str(out / "model.safetensors"))
         tokenizer.save_pretrained(out)
     del model
+
+
+class _NotStreamable(Exception):
+    """This architecture's tensor processor builds tensors across several GGUF tensors."""
+
+
+def _saved_names(model: Any) -> tuple[dict[str, str], dict[str, str]]:
+    """Which name each state-dict entry is saved under, and the metadata naming the others.
+
+    ``safetensors.torch.save_model``'s rule: of names sharing one tensor (tied weights),
+    the first in sorted order is saved and the metadata maps each other name to it.
+    """
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    saved_as: dict[str, str] = {}
+    metadata: dict[str, str] = {}
+    for names in groups.values():
+        kept = sorted(names)[0]
+        for name in names:
+            saved_as[name] = kept
+            if name != kept:
+                metadata[name] = kept
+    for name in model.state_dict():
+        saved_as.setdefault(name, name)  # persistent buffers
+    return saved_as, metadata
+
+
+# Tensors larger than this as float32 are dequantized in row pieces of about this size: the
+# default model's 113 MiB embedding would otherwise exist whole, and gguf's numpy dequantizers
+# hold several temporaries of the output's size besides.
+PIECE_BYTES = 8 << 20
+
+
+def _stream_weights(gguf: Path, model: Any, target: Path, say: Progress) -> bool:
+    """Write ``model``'s float32 weights from ``gguf`` to ``target`` one tensor at a time
+    (a large one in row pieces).
+
+    False (and nothing written) for architectures whose transformers tensor processor
+    assembles tensors from several GGUF tensors (the MoE ones): those take
+    :func:`_whole_weights`.
+    """
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        read_field,
+    )
+
+    from kvchat.models.streamed_safetensors import StreamedSafetensors, TensorLayout
+
+    reader = GGUFReader(str(gguf))
+    architecture = read_field(reader, "general.architecture")[0]
+    # The metadata (the tokenizer's vocabulary and merges, as ~100 MiB of small numpy arrays
+    # for the default model) was read for the config and tokenizer already.
+    reader.fields.clear()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    mapping = get_gguf_hf_weights_map(model, processor)
+    saved_as, metadata = _saved_names(model)
+    state = model.state_dict()
+    layouts = {
+        name: TensorLayout(str(state[name].dtype).removeprefix("torch."), tuple(state[name].shape))
+        for name in set(saved_as.values())
+    }
+    # What a processor puts here itself is a tensor built across GGUF tensors.
+    parsed: dict[str, Any] = {"tensors": {}, "config": model.config.to_dict()}
+
+    def processed(data: Any, quant_type: Any, name: str) -> Any:
+        result = processor.process(
+            weights=dequantize(data, quant_type),
+            name=name,
+            tensor_key_mapping=mapping,
+            parsed_parameters=parsed,
+        )
+        if parsed["tensors"]:
+            raise _NotStreamable(architecture)
+        return result
+
+    tensors = list(reader.tensors)
+    step = max(1, len(tensors) // 4)
+    try:
+        with StreamedSafetensors(target, layouts, metadata or None) as out:
+            for i, tensor in enumerate(tensors, 1):
+                shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+                rows = shape[0] if len(shape) == 2 else 0
+                if rows and 4 * tensor.n_elements > PIECE_BYTES and _rowwise(processor, tensor):
+                    name = saved_as.get(mapping.get(tensor.name, ""))
+                    if name is not None:
+                        out.check_part(name, "float32", shape)
+                        piece = max(1, PIECE_BYTES // (4 * shape[1]))
+                        for start in range(0, rows, piece):
+                            rows_data = tensor.data[start : start + piece]
+                            result = processed(rows_data, tensor.tensor_type, tensor.name)
+                            array = np.ascontiguousarray(result.weights, dtype=np.float32)
+                            out.write_part(name, start * shape[1] * 4, array)
+                else:
+                    result = processed(tensor.data, tensor.tensor_type, tensor.name)
+                    name = saved_as.get(mapping.get(result.name, ""))
+                    if name is not None:  # else a tensor the model has no place for, as before
+                        array = np.ascontiguousarray(result.weights, dtype=np.float32)
+                        out.write(name, array, "float32", array.shape)
+                result = array = None
+                if i % step == 0 or i == len(tensors):
+                    say(f"dequantized {i}/{len(tensors)} tensors")
+            missing = sorted(set(layouts) - out.written)
+            for name in list(missing):
+                if state[name].device.type != "meta":  # a persistent buffer the GGUF lacks
+                    buffer = state[name].detach().contiguous()
+                    out.write(name, buffer.numpy(), str(buffer.dtype).removeprefix("torch."),
+                              tuple(buffer.shape))  # fmt: skip
+                    missing.remove(name)
+            if missing:
+                raise ValueError(f"the GGUF lacks {len(missing)} weights, e.g. {missing[0]}")
+    except _NotStreamable:
+        target.unlink(missing_ok=True)
+        return False
+    finally:
+        del reader
+    return True
+
+
+def _rowwise(processor: Any, tensor: Any) -> bool:
+    """Whether ``processor`` computes each row of ``tensor`` from that row alone, so that it
+    can process the tensor in row pieces: transformers' base processor (identity), Gemma's
+    (norm weights minus one) and Llama's except for Q and K (their heads are permuted)."""
+    from transformers.modeling_gguf_pytorch_utils import (
+        Gemma2TensorProcessor,
+        LlamaTensorProcessor,
+        TensorProcessor,
+    )
+
+    kind = type(processor)
+    if kind is LlamaTensorProcessor:
+        return ".attn_q." not in tensor.name and ".attn_k." not in tensor.name
+    return kind in (TensorProcessor, Gemma2TensorProcessor)
+
+
+def _whole_weights(gguf: Path, model: Any, target: Path) -> None:
+    """All tensors dequantized at once through ``load_gguf_checkpoint``, then saved: for the
+    architectures :func:`_stream_weights` cannot take (it holds a float32 copy of the
+    model)."""
+    import safetensors.torch
+    import torch
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    tensors = load_gguf_checkpoint(
+        str(gguf), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+    )["tensors"]
+    model.load_state_dict(tensors, strict=False, assign=True)
+    del tensors
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"the GGUF lacks {len(missing)} weights, e.g. {missing[0]}")
+    safetensors.torch.save_model(model, str(target))
 
 
 def _publish(tmp: Path, target: Path) -> None:

@@ -44,8 +44,11 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(c) for c in cs]
 
 
-def write_tiny_gguf(path: Path, *, hidden: int = 64, layers: int = 2) -> Path:
-    """A real, loadable llama-architecture GGUF small enough to convert in seconds."""
+def write_tiny_gguf(
+    path: Path, *, hidden: int = 64, layers: int = 2, embedding_type: str | None = None
+) -> Path:
+    """A real, loadable llama-architecture GGUF small enough to convert in seconds; its
+    embedding in ``embedding_type`` (a GGML quantization such as ``Q4_1``) if given."""
     import gguf
     import numpy as np
 
@@ -84,7 +87,12 @@ def write_tiny_gguf(path: Path, *, hidden: int = 64, layers: int = 2) -> Path:
         writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32))
 
     head_dim = hidden // heads
-    rand("token_embd.weight", vocab, hidden)
+    if embedding_type is None:
+        rand("token_embd.weight", vocab, hidden)
+    else:
+        kind = gguf.GGMLQuantizationType[embedding_type]
+        floats = (rng.standard_normal((vocab, hidden)) * 0.02).astype(np.float32)
+        writer.add_tensor("token_embd.weight", gguf.quants.quantize(floats, kind), raw_dtype=kind)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
@@ -350,6 +358,41 @@ def test_gguf_is_converted_once(
     repaired = resolve_model(str(tiny_gguf))
     assert repaired == first and (first.path / "model.safetensors").is_file()
     assert not list((cache / "models").glob(".tmp-*"))
+
+
+@pytest.mark.parametrize(
+    ("embedding_type", "piece_bytes"),
+    [(None, None), ("Q4_1", None), ("Q4_1", 1024), ("Q8_0", 1000)],
+    ids=["f32", "q4_1", "q4_1-in-pieces", "q8_0-in-pieces"],
+)
+def test_conversion_writes_the_bytes_of_transformers_own_gguf_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, embedding_type: str | None, piece_bytes: int
+) -> None:
+    """The conversion streams tensors (large ones in row pieces) into the file; the file is
+    byte for byte what ``save_model`` writes for the model transformers loads from the GGUF
+    (all tensors dequantized at once)."""
+    import safetensors.torch
+    import torch
+    import transformers.modeling_utils
+    from transformers import AutoModelForCausalLM
+
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", embedding_type=embedding_type)
+    if piece_bytes is not None:
+        monkeypatch.setattr(gguf_conversion, "PIECE_BYTES", piece_bytes)
+    target = tmp_path / "converted"
+    messages: list[str] = []
+    gguf_conversion.convert_gguf(source, target, "0" * 64, messages.append)
+    assert any("dequantized" in m for m in messages)
+
+    monkeypatch.setattr(
+        transformers.modeling_utils, "is_accelerate_available", lambda *_a, **_k: True
+    )
+    reference = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=torch.float32
+    )
+    expected = tmp_path / "expected.safetensors"
+    safetensors.torch.save_model(reference, str(expected))
+    assert (target / "model.safetensors").read_bytes() == expected.read_bytes()
 
 
 def test_concurrent_conversions_share_one_directory(tmp_path: Path, tiny_gguf: Path) -> None:
