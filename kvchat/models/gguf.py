@@ -130,11 +130,19 @@ class _NotStreamable(Exception):
 
 
 def _saved_names(model: Any) -> tuple[dict[str, str], dict[str, str]]:
-    """Which name each state-dict entry is saved under, and the metadata naming the others.
+    """Which name each GGUF-filled state-dict entry is saved under, and the metadata naming
+    the others.
 
     ``safetensors.torch.save_model``'s rule: of names sharing one tensor (tied weights),
-    the first in sorted order is saved and the metadata maps each other name to it.
+    the first in sorted order is saved and the metadata maps each other name to it. Where
+    the input embedding is tied to others, only the embedding's own name takes a GGUF
+    tensor (transformers ties the others to it after loading, so a GGUF's output tensor
+    would be overwritten); the others are left out of the returned map.
     """
+    embedding = model.get_input_embeddings()
+    embedding_name = next(
+        (f"{name}.weight" for name, module in model.named_modules() if module is embedding), None
+    )
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
@@ -143,11 +151,14 @@ def _saved_names(model: Any) -> tuple[dict[str, str], dict[str, str]]:
     for names in groups.values():
         kept = sorted(names)[0]
         for name in names:
-            saved_as[name] = kept
+            if len(names) == 1 or embedding_name not in names or name == embedding_name:
+                saved_as[name] = kept
             if name != kept:
                 metadata[name] = kept
+    parameters = {name for names in groups.values() for name in names}
     for name in model.state_dict():
-        saved_as.setdefault(name, name)  # persistent buffers
+        if name not in parameters:
+            saved_as[name] = name  # a persistent buffer
     return saved_as, metadata
 
 
@@ -171,17 +182,21 @@ def _stream_weights(gguf: Path, model: Any, target: Path, say: Progress) -> bool
         TENSOR_PROCESSORS,
         TensorProcessor,
         get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
         read_field,
     )
 
     from kvchat.models.streamed_safetensors import StreamedSafetensors, TensorLayout
 
+    # The processors read the configuration as the GGUF states it (a key it lacks stays
+    # absent), not as the model's config fills it in.
+    gguf_config = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
     reader = GGUFReader(str(gguf))
     architecture = read_field(reader, "general.architecture")[0]
     # The metadata (the tokenizer's vocabulary and merges, as ~100 MiB of small numpy arrays
     # for the default model) was read for the config and tokenizer already.
     reader.fields.clear()
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=gguf_config)
     mapping = get_gguf_hf_weights_map(model, processor)
     saved_as, metadata = _saved_names(model)
     state = model.state_dict()
@@ -190,7 +205,7 @@ def _stream_weights(gguf: Path, model: Any, target: Path, say: Progress) -> bool
         for name in set(saved_as.values())
     }
     # What a processor puts here itself is a tensor built across GGUF tensors.
-    parsed: dict[str, Any] = {"tensors": {}, "config": model.config.to_dict()}
+    parsed: dict[str, Any] = {"tensors": {}, "config": gguf_config}
 
     def processed(data: Any, quant_type: Any, name: str) -> Any:
         result = processor.process(

@@ -6,7 +6,7 @@ name, dtype and shape up front (the header); the data then goes at fixed offsets
 tensor can be written the moment it exists and dropped.
 
 The bytes are those ``save_file`` writes for the same tensors and metadata (header keys in
-data order, ``__metadata__`` first; data ordered by element size, largest first, then by
+data order, ``__metadata__`` first; data ordered by safetensors' dtype order, then by
 name; header padded with spaces to 8 bytes), so a file written here is indistinguishable
 from one written there (``tests/models/test_streamed_safetensors.py`` compares them).
 """
@@ -34,6 +34,9 @@ _DTYPES = {
     "uint8": ("U8", 1),
     "bool": ("BOOL", 1),
 }
+# The order safetensors lays data out in: by its dtype enum, last first, then by name
+# (tests/models/test_streamed_safetensors.py checks it against save_file).
+_DATA_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL")
 
 
 class TensorLayout:
@@ -49,10 +52,6 @@ class TensorLayout:
             numel *= n
         self.nbytes = numel * _DTYPES[dtype][1]
         self.start = 0
-
-    @property
-    def itemsize(self) -> int:
-        return _DTYPES[self.dtype][1]
 
 
 class StreamedSafetensors:
@@ -73,7 +72,9 @@ class StreamedSafetensors:
         self.path = Path(path)
         self.layouts = layouts
         self._filled: dict[str, int] = {}  # bytes written so far, per tensor
-        order = sorted(layouts, key=lambda name: (-layouts[name].itemsize, name))
+        order = sorted(
+            layouts, key=lambda name: (_DATA_ORDER.index(_DTYPES[layouts[name].dtype][0]), name)
+        )
         header: dict[str, Any] = {}
         if metadata:
             header["__metadata__"] = metadata

@@ -14,8 +14,15 @@ TENSORS = {
     "model.b.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
     "model.a.weight": torch.linspace(-1, 1, 5),
     "Z.upper": torch.ones(2, 2, dtype=torch.float32) * 3,
-    "ids": torch.arange(4),  # int64: larger elements go first
+    # every dtype it takes, several of one element size (safetensors orders them by dtype)
+    "ids": torch.arange(4),
+    "a.f64": torch.tensor([0.25, 2.0], dtype=torch.float64),
+    "b.i32": torch.tensor([7, -1], dtype=torch.int32),
     "half": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+    "a.f16": torch.tensor([0.5], dtype=torch.float16),
+    "0.i16": torch.tensor([3], dtype=torch.int16),
+    "i8": torch.tensor([-3, 4], dtype=torch.int8),
+    "c.u8": torch.tensor([250], dtype=torch.uint8),
     "flag": torch.tensor([True, False, True]),
 }
 

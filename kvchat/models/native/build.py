@@ -9,21 +9,27 @@ Python, with the same bits, about 12 % slower (``benchmarks/bench_decode_step.py
 The library goes to ``<cache dir>/native/decode_layer-<key>.so``, where the key hashes the
 source, torch's version and the compiler command, so a new torch or a new source builds
 anew and an old library is never loaded into the wrong torch. A build writes a temporary
-file and renames it into place, so two kvchat processes never load half a file. A failed
-build leaves ``decode_layer-<key>.failed`` with the compiler's output, and is not retried
-for that key (a broken toolchain would otherwise cost a build at every start); delete the
-file to retry. ``KVCHAT_NATIVE=0`` turns all of it off.
+file and renames it into place, so two kvchat processes never load half a file. The build
+runs detached (a session of its own) and finishes its own work, so a Ctrl-C at the terminal
+or a kvchat that exits first does not lose it. A failed build leaves
+``decode_layer-<key>.failed`` with the compiler's output, and is not retried for that key (a
+broken toolchain would otherwise cost a build at every start); delete the file to retry. A
+build killed by a signal leaves nothing and runs again at the next start. Nothing here
+raises: where the cache cannot be written, the Python step serves. ``KVCHAT_NATIVE=0``
+turns all of it off.
 
 This module imports torch only inside the functions that need its paths.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kvchat.paths import cache_dir
@@ -87,8 +93,32 @@ def library_path() -> Path | None:
     return None if found is None else found[1]
 
 
+# Run by sh in a session of its own, so that the build ends the same way whatever happens
+# to the process that started it (a Ctrl-C at the terminal, an early exit): it puts the
+# library in place itself, or records a compiler error; killed by a signal, it leaves
+# nothing, and the next start builds again. $1 = library, $2 = temporary, $3 = log,
+# $4 = failure marker; then the compiler command.
+_FINISH = """
+target=$1 temporary=$2 log=$3 failed=$4
+shift 4
+"$@" >"$log" 2>&1
+status=$?
+if [ "$status" -eq 0 ] && [ -s "$temporary" ]; then
+  rm -f "$log"
+  mv -f "$temporary" "$target"
+elif [ "$status" -gt 128 ]; then
+  rm -f "$temporary" "$log"
+else
+  rm -f "$temporary"
+  [ -s "$log" ] || echo "exit status $status" >"$log"
+  mv -f "$log" "$failed"
+fi
+"""
+
+
 class Build:
-    """A build of the library: already there, under way, or failed."""
+    """A build of the library: already there, or under way in a detached process (which puts
+    the library in place, or records its failure, itself)."""
 
     def __init__(self, target: Path, process: subprocess.Popen[bytes] | None) -> None:
         self.target = target
@@ -102,40 +132,22 @@ class Build:
 
     def done(self) -> bool:
         """Whether the build has ended (either way); never blocks."""
-        if self.process is None:
-            return True
-        if self.process.poll() is None:
-            return False
-        self._finish()
-        return True
+        return self.process is None or self.process.poll() is not None
 
     def wait(self, timeout: float | None = None) -> Path | None:
-        """Block until the build ends; the library's path, or None if it failed."""
+        """Block until the build ends; the library's path, or None if there is none (yet)."""
         if self.process is not None:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 return None
-            self._finish()
         return self.target if self.target.exists() else None
-
-    def _finish(self) -> None:
-        process, self.process = self.process, None
-        if process is None:
-            return
-        if process.returncode == 0 and self.temporary.exists():
-            os.replace(self.temporary, self.target)
-            self.log.unlink(missing_ok=True)
-            return
-        self.temporary.unlink(missing_ok=True)
-        if not self.log.exists() or not self.log.stat().st_size:
-            self.log.write_text(f"exit status {process.returncode}\n")
-        os.replace(self.log, self.failed_marker)
 
 
 def start() -> Build | None:
     """The library's build: done if it exists, else started in the background. None when
-    disabled, without a compiler, or after a failed build of this key."""
+    disabled, without a compiler or a shell, after a failed build of this key, or where the
+    cache cannot be written."""
     found = _compiler_and_target()
     if found is None:
         return None
@@ -144,26 +156,36 @@ def start() -> Build | None:
         return Build(target, None)
     if target.with_suffix(".failed").exists():
         return None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None  # an unwritable cache: the Python step serves
+    shell = shutil.which("sh")
+    if shell is None:
+        return None
     build = Build(target, None)
     try:
-        # Into a file, not a pipe: a long error would fill a pipe nobody reads until the end.
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_leftovers(target)
         # Niced through nice(1), not a preexec_fn: the chat app loads models beside other
         # threads, where a preexec_fn can deadlock the child.
         nice = shutil.which("nice")
         lower = [nice, "-n", str(_NICE)] if nice else []
-        with build.log.open("wb") as log:
-            build.process = subprocess.Popen(
-                [*lower, *_command(cxx, build.temporary)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-    except OSError as exc:
-        build.log.unlink(missing_ok=True)
-        build.failed_marker.write_text(f"could not run {cxx}: {exc}")
-        return None
+        build.process = subprocess.Popen(
+            [shell, "-c", _FINISH, "kvchat-native-build", str(target), str(build.temporary),
+             str(build.log), str(build.failed_marker), *lower,
+             *_command(cxx, build.temporary)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+    except OSError:
+        return None  # an unwritable cache, or no way to run the shell: the Python step serves
     return build
+
+
+def _sweep_leftovers(target: Path) -> None:
+    """Remove temporary and log files of builds that died with their machine: a build takes
+    seconds, so anything an hour old is no live build's."""
+    now = time.time()
+    for leftover in [*target.parent.glob("*.tmp"), *target.parent.glob("*.log")]:
+        with contextlib.suppress(OSError):
+            if now - leftover.stat().st_mtime > 3600:
+                leftover.unlink()

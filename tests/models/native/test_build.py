@@ -1,10 +1,14 @@
 """Building the C++ decode layers (``kvchat.models.native.build``): cached per torch and
-source, never retried after a failure, off on request, and never in the way."""
+source, never retried after a failure, retried after a kill, finished even when kvchat
+exits first, off on request, and never in the way."""
 
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -30,11 +34,59 @@ def test_without_a_compiler_nothing_is_built(private_cache, monkeypatch):
     assert not any(private_cache.iterdir())
 
 
-def failing_compiler(tmp_path):
-    script = tmp_path / "bad-cxx"
-    script.write_text("#!/bin/sh\necho 'fatal error: torch/library.h: No such file'\nexit 1\n")
+def fake_compiler(tmp_path, name, body):
+    script = tmp_path / name
+    script.write_text("#!/bin/sh\n" + body)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script
+
+
+def failing_compiler(tmp_path):
+    return fake_compiler(
+        tmp_path, "bad-cxx", "echo 'fatal error: torch/library.h: No such file'\nexit 1\n"
+    )
+
+
+# A compiler that takes a while, then writes its output file (the argument after -o).
+SLOW_COMPILER = """
+while [ "$#" -gt 0 ]; do
+  if [ "$1" = "-o" ]; then out=$2; fi
+  shift
+done
+sleep 2
+printf 'not really a library' >"$out"
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="a shell-script compiler")
+def test_a_build_killed_by_a_signal_leaves_nothing_and_runs_again(private_cache, monkeypatch):
+    monkeypatch.setenv("CXX", str(fake_compiler(private_cache, "killed-cxx", "kill -9 $$\n")))
+    started = build.start()
+    assert started is not None
+    assert started.wait(60) is None
+    native = started.target.parent
+    assert not started.failed_marker.exists()
+    assert not list(native.glob("*.tmp")) and not list(native.glob("*.log"))
+    again = build.start()
+    assert again is not None and again.process is not None  # tried again
+    again.wait(60)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="a shell-script compiler")
+def test_a_build_lands_even_when_the_process_that_started_it_has_exited(private_cache, monkeypatch):
+    compiler = fake_compiler(private_cache, "slow-cxx", SLOW_COMPILER)
+    monkeypatch.setenv("CXX", str(compiler))
+    target = build.library_path()
+    code = "from kvchat.models.native import build; print(build.start().process.pid)"
+    started = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert int(started.stdout)  # the starting process is gone; its build goes on
+    deadline = time.monotonic() + 60
+    while not target.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert target.read_text() == "not really a library"
+    assert not list(target.parent.glob("*.tmp")) and not list(target.parent.glob("*.log"))
 
 
 @pytest.mark.skipif(os.name != "posix", reason="a shell-script compiler")
