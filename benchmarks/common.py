@@ -42,6 +42,14 @@ if str(REPO_ROOT) not in sys.path:
 
 from kvchat.lab import harness  # noqa: E402  (after the path: this checkout's kvchat)
 
+# An editable install made by setuptools maps ``kvchat`` through a meta-path finder, which
+# comes before sys.path: then the line above cannot win, and another tree would be measured.
+if Path(harness.kvchat_location()).parent != REPO_ROOT:
+    sys.exit(
+        f"kvchat is imported from {harness.kvchat_location()}, not from this checkout "
+        f"({REPO_ROOT}): run `pip install -e {REPO_ROOT}` first"
+    )
+
 
 # -- setup ---------------------------------------------------------------------------------
 def add_run_options(parser: argparse.ArgumentParser, benchmark: str, quick: str) -> None:
@@ -222,6 +230,46 @@ def interleaved_decode(loaded: Any, entries: dict[str, Any], steps: int) -> dict
                 times[name].append(seconds)
                 fed[name].append(token)
     return {"step_seconds": times, "tokens": fed}
+
+
+# -- one reply's figures, in a process of its own ----------------------------------------
+def rss_bytes() -> int:
+    """psutil directly, not ``kvchat.chat.memory``: the peers' processes import as little of
+    kvchat as they can, so their RSS stays theirs."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's highest RSS so far (loading included), as the kernel counted it.
+
+    ``VmHWM`` belongs to this process image; ``ru_maxrss`` would not do, because it survives
+    ``execve`` and so starts at the driver's RSS at the fork. None off Linux.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reply_figures(n_prompt: int, t0: float, stamps: list[float]) -> dict[str, Any]:
+    """Prefill and decode tok/s of one reply started at ``t0`` whose tokens arrived at
+    ``stamps``, with the process's RSS now and at its peak."""
+    prefill = stamps[0] - t0
+    decode = stamps[-1] - stamps[0]
+    return {
+        "prompt_tokens": n_prompt,
+        "new_tokens": len(stamps),
+        "prefill_tps": n_prompt / prefill,
+        "decode_tps": (len(stamps) - 1) / decode if decode > 0 else float("nan"),
+        "rss_bytes": rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
 
 
 # -- prompts -------------------------------------------------------------------------------
