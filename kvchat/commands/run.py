@@ -16,6 +16,7 @@ from kvchat.commands.terminal import (
     EXIT_NOT_SAVED,
     CancelOnSigint,
     PrefillProgress,
+    RecordSigint,
     end_stdout_line,
     exit_on_termination,
     fail,
@@ -83,30 +84,42 @@ def cache_settings(opts: dict[str, Any]) -> CacheSettings:
 
 def open_run_session(opts: dict[str, Any]) -> ChatSession:
     """Load the model and open the conversation; Ctrl-C here exits 130, errors exit 1."""
-    as_json = opts["as_json"]
-    try:
-        loaded = load_from_options(opts, quiet=as_json)
-        from kvchat.chat.conversation import open_session
-
-        if not loaded.has_chat_template:
-            note(
-                f"{loaded.name} is a base model (no chat template): plain completion, each "
-                "prompt is continued as written"
-            )
-        return open_session(
-            loaded,
-            data_dir=opts["data_dir"],
-            cache=cache_settings(opts),
-            system=opts["system"],
-            conversation_id=opts["conversation_id"],
-            save=not opts["no_save"],
-            say=(lambda _m: None) if as_json else note,
-        )
-    except KeyboardInterrupt:
+    session = None
+    interrupted = False
+    with RecordSigint() as sigint:
+        try:
+            session = _load_and_open(opts)
+        except KeyboardInterrupt:
+            interrupted = True
+        except KvchatError as exc:
+            fail(exc)
+    if interrupted or sigint.hit or session is None:
+        if session is not None:  # the Ctrl-C was swallowed on the way: it still means stop
+            session.close()
         note("interrupted before the first reply; nothing was saved")
         sys.exit(EXIT_INTERRUPTED)
-    except KvchatError as exc:
-        fail(exc)
+    return session
+
+
+def _load_and_open(opts: dict[str, Any]) -> ChatSession:
+    as_json = opts["as_json"]
+    loaded = load_from_options(opts, quiet=as_json)
+    from kvchat.chat.conversation import open_session
+
+    if not loaded.has_chat_template:
+        note(
+            f"{loaded.name} is a base model (no chat template): plain completion, each "
+            "prompt is continued as written"
+        )
+    return open_session(
+        loaded,
+        data_dir=opts["data_dir"],
+        cache=cache_settings(opts),
+        system=opts["system"],
+        conversation_id=opts["conversation_id"],
+        save=not opts["no_save"],
+        say=(lambda _m: None) if as_json else note,
+    )
 
 
 def answer(

@@ -96,6 +96,32 @@ def exit_on_termination() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+class InterruptedLoad(KeyboardInterrupt):
+    """A Ctrl-C before the first reply. A subclass rather than KeyboardInterrupt itself:
+    CPython marks a process for death by SIGINT at exit when a KeyboardInterrupt (that exact
+    type) ends code it runs through ``PyRun_*``, and with a plain one ``python -m kvchat.cli
+    run`` sometimes ended by SIGINT (-2) after printing its note, instead of exiting 130."""
+
+
+class RecordSigint:
+    """Ctrl-C raises :class:`InterruptedLoad` and is remembered, so it is not lost when
+    library code on the way catches everything (a bare ``except:``)."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    def __enter__(self) -> RecordSigint:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.hit = True
+        raise InterruptedLoad
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
 class CancelOnSigint:
     """First Ctrl-C ends the reply cleanly; a second one interrupts for real."""
 
