@@ -105,7 +105,9 @@ class InterruptedLoad(KeyboardInterrupt):
 
 class RecordSigint:
     """Ctrl-C raises :class:`InterruptedLoad` and is remembered, so it is not lost when
-    library code on the way catches everything (a bare ``except:``)."""
+    library code on the way catches everything (a bare ``except:``), nor ignored when kvchat
+    was started with SIGINT ignored (a background job of a shell without job control: Python
+    then keeps it ignored, and a Ctrl-C during the load went unseen)."""
 
     def __init__(self) -> None:
         self.hit = False
