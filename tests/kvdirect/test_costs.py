@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ def footprint(alias: str):
 
 
 def test_costs_are_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVCHAT_CACHE_DIR", raising=False)  # it would beat XDG_CACHE_HOME
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     fp = footprint("smollm2-135m")
     first = device_costs(fp, torch.device("cpu"), "float32", tmp_path)
@@ -50,11 +52,12 @@ def test_auto_follows_the_costs_not_only_the_bytes():
 
 
 def test_inspect_costs_reports_the_measurement_and_the_choice(tmp_path):
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    env = {k: v for k, v in os.environ.items() if k != "KVCHAT_CACHE_DIR"}  # it beats XDG
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PATH="/usr/bin:/bin")
     out = subprocess.run(
         [sys.executable, "-m", "kvchat.cli", "inspect", "smollm2-135m", "--costs", "--json",
          "--data-dir", str(tmp_path / "data")],
-        capture_output=True, text=True, env={**__import__("os").environ, **env}, timeout=120,
+        capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)["costs"]
