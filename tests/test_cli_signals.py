@@ -124,10 +124,9 @@ def test_a_ctrl_c_during_the_load_is_never_lost(monkeypatch, swallow):
 
     monkeypatch.setattr(run, "load_from_options", load)
     monkeypatch.setattr(conversation, "open_session", lambda *a, **k: session)
-    opts = {"as_json": True, "data_dir": None, "system": None, "conversation_id": None,
-            "no_save": True, "cache_kind": "kvdirect", "max_mem": None, "hot_window": None,
-            "checkpoint": "auto", "prefill_chunk": 256}  # fmt: skip
     monkeypatch.setattr(run, "cache_settings", lambda opts: None)
+    opts = {"as_json": True, "data_dir": None, "system": None, "conversation_id": None,
+            "no_save": True}  # fmt: skip
     before = signal.getsignal(signal.SIGINT)  # SIG_IGN where the suite runs in the background
     with pytest.raises(SystemExit) as exited:
         run.open_run_session(opts)

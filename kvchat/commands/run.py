@@ -85,15 +85,14 @@ def cache_settings(opts: dict[str, Any]) -> CacheSettings:
 def open_run_session(opts: dict[str, Any]) -> ChatSession:
     """Load the model and open the conversation; Ctrl-C here exits 130, errors exit 1."""
     session = None
-    interrupted = False
     with RecordSigint() as sigint:
         try:
             session = _load_and_open(opts)
         except KeyboardInterrupt:
-            interrupted = True
+            pass  # session stays None
         except KvchatError as exc:
             fail(exc)
-    if interrupted or sigint.hit or session is None:
+    if sigint.hit or session is None:
         if session is not None:  # the Ctrl-C was swallowed on the way: it still means stop
             session.close()
         note("interrupted before the first reply; nothing was saved")

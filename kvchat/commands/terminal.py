@@ -10,7 +10,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -103,7 +103,25 @@ class InterruptedLoad(KeyboardInterrupt):
     run`` sometimes ended by SIGINT (-2) after printing its note, instead of exiting 130."""
 
 
-class RecordSigint:
+_Scope = TypeVar("_Scope", bound="_SigintScope")
+
+
+class _SigintScope:
+    """Installs ``self._handle`` as the SIGINT handler for a ``with`` block, then puts the
+    one before back."""
+
+    def __enter__(self: _Scope) -> _Scope:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        raise NotImplementedError
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+class RecordSigint(_SigintScope):
     """Ctrl-C raises :class:`InterruptedLoad` and is remembered, so it is not lost when
     library code on the way catches everything (a bare ``except:``), nor ignored when kvchat
     was started with SIGINT ignored (a background job of a shell without job control: Python
@@ -112,32 +130,18 @@ class RecordSigint:
     def __init__(self) -> None:
         self.hit = False
 
-    def __enter__(self) -> RecordSigint:
-        self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
     def _handle(self, signum: int, frame: Any) -> None:
         self.hit = True
         raise InterruptedLoad
 
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._previous)
 
-
-class CancelOnSigint:
+class CancelOnSigint(_SigintScope):
     """First Ctrl-C ends the reply cleanly; a second one interrupts for real."""
 
     def __init__(self) -> None:
         self.cancelled = False
 
-    def __enter__(self) -> CancelOnSigint:
-        self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
     def _handle(self, signum: int, frame: Any) -> None:
         if self.cancelled:
             raise KeyboardInterrupt
         self.cancelled = True
-
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._previous)
