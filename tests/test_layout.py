@@ -162,4 +162,4 @@ def test_the_checker_sees_lazy_and_type_checking_imports():
     assert "if TYPE_CHECKING:" in text
     seen = {imp.module for imp in imports_of(source)}
     assert "kvchat.kvdirect.arch" in seen  # only under TYPE_CHECKING there
-    assert "kvchat.kvdirect.streamed_attention" in seen  # only inside a method there
+    assert "kvchat.kvdirect.attention" in seen  # only inside functions there

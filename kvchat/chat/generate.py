@@ -8,6 +8,7 @@ caller re-plan (the KV-Direct planner shrinks the hot window as the context grow
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,26 @@ from kvchat.models.decode_step import decode_step_for
 from kvchat.threads import rows_threads
 
 BeforeForward = Callable[[int], None]
+
+# Models whose attention this module has routed through kvchat's (see route_attention).
+_routed: weakref.WeakSet = weakref.WeakSet()
+
+
+def route_attention(model: torch.nn.Module) -> None:
+    """Make ``model`` run kvchat's attention (``kvchat.kvdirect.attention``) before kvchat
+    runs any forward call of it, whichever cache the call uses: every call then sums
+    attention in one order, so a bounded cache equals the standard one bit for bit. Loading
+    does this already; this covers models built elsewhere (tests, the lab)."""
+    if model in _routed:
+        return
+    from kvchat.kvdirect.arch import ArchAdapter, UnsupportedArchitectureError
+    from kvchat.kvdirect.cache import install_attention
+
+    try:
+        install_attention(ArchAdapter(model))
+    except UnsupportedArchitectureError:
+        pass  # no KV-Direct cache for it either: its own attention serves
+    _routed.add(model)
 
 
 @dataclass
@@ -54,6 +75,7 @@ def forward_ids(
     one for every step instead of building a tensor per token). One-token calls of models
     it knows go through ``kvchat.models.decode_step`` (fewer Python frames; the model's own
     bits with float weights, packed GQA attention with quantized ones)."""
+    route_attention(model)
     if before_forward is not None:
         before_forward(input_ids.shape[1])
     rows = input_ids.shape[1]

@@ -193,17 +193,6 @@ class ChatSession:
             plan = dataclasses.replace(plan, hot_window=window, kv_window=kv_window)
         return plan
 
-    def _prefill_chunk(self, n_new: int) -> int:
-        """Rows per forward call: the user's chunk, smaller when attention is streamed."""
-        chunk = self.cache_settings.prefill_chunk
-        if self.planner is None:
-            return chunk
-        try:
-            cap = self._plan(self.cache.get_seq_length() + n_new).prefill_chunk
-        except KvchatError:
-            return chunk  # the reply cannot reach n_new anyway; it ends at the ceiling
-        return chunk if cap is None else min(chunk, cap)
-
     def _check_standard_ceiling(self, n_new: int) -> None:
         from kvchat.errors import NeedsDiskTierError
         from kvchat.kvdirect.planner import human_bytes
@@ -320,7 +309,7 @@ class ChatSession:
         try:
             sampling = self._fit_context(len(self.token_ids) + len(new_ids), sampling)
             self.before_forward(len(to_feed))  # refuse a prompt that cannot fit, feed nothing
-            prefill_chunk = self._prefill_chunk(len(to_feed) + sampling.max_new_tokens)
+            prefill_chunk = self.cache_settings.prefill_chunk
         except KvchatError:
             self.messages.pop()
             raise

@@ -67,7 +67,6 @@ from kvchat.threads import rows_threads
 if TYPE_CHECKING:
     from kvchat.kvdirect.arch import ArchAdapter
     from kvchat.kvdirect.planner import Plan
-    from kvchat.kvdirect.streamed_attention import StreamedAttention
 
 CHECKPOINT_FORMS = ("residual", "kv", "auto")
 MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
@@ -223,18 +222,19 @@ class KVDirectLayer(CacheLayerMixin):
             if self.owner.stream_chunk is not None:
                 # Too big to hold at once: attention fetches it chunk by chunk (see
                 # streamed_attention.py); we hand over only what is hot.
+                from kvchat.kvdirect.attention import installed, set_pending_stream
+
                 module = self.owner.adapter.attention_module(self.layer_idx)
-                implementation = str(getattr(module.config, "_attn_implementation", ""))
-                if not implementation.startswith("kvdirect_"):
+                if not installed(module.config):
                     # The model's own attention would see only the hot K/V: refuse loudly
                     # (someone called set_attn_implementation on the shared model).
                     raise RuntimeError(
                         f"layer {self.layer_idx}: streamed attention is not installed "
-                        f"(attention implementation {implementation!r}); the cold K/V would "
-                        "be skipped"
+                        f"(attention implementation "
+                        f"{module.config._attn_implementation!r}); the cold K/V would be skipped"
                     )
                 self.pending_cold = (visible_from, hot_from)
-                module._kvdirect_layer = self
+                set_pending_stream(self)
             else:
                 in_place = self._in_place_pieces(visible_from, hot_from, key_states)
                 cold = (
@@ -485,10 +485,9 @@ class KVDirectLayer(CacheLayerMixin):
         Each run holds whole pieces (a residual piece is replayed with its original row
         count, which is what keeps the recomputed K/V bit-identical) and at most
         ``chunk_rows`` rows unless a single piece is longer. Under streamed attention a
-        longer piece is read whole (bounded: MAX_PIECE_ROWS for K/V, one call for
-        residuals) and handed on in ``chunk_rows`` slices; a residual call is then
-        projected in pieces, which may differ in the last bits (that path promises the
-        same greedy tokens).
+        longer K/V piece is read in ``chunk_rows`` parts; a longer residual piece is still
+        replayed whole (one forward call's rows), since projecting it in parts would change
+        its K/V in the last bits.
         """
         pieces = self.store.pieces_in(begin, end)
         streamed = chunk_rows is not None and self.owner.stream_chunk is not None
@@ -515,7 +514,7 @@ class KVDirectLayer(CacheLayerMixin):
             run = pieces[i:j]
             t0 = time.perf_counter()
             with torch.no_grad():
-                if streamed and len(run) == 1 and run[0].rows > chunk_rows:
+                if streamed and len(run) == 1 and run[0].rows > chunk_rows and run[0].form == "kv":
                     out = self._in_parts(run[0], device, begin, end, chunk_rows)
                 else:
                     out = self._to_kv(run, self.store.load(run, device, scratch), begin, end)
@@ -724,7 +723,6 @@ class KVDirectCache(Cache):
         self.spill_root: Path | None = None
         self.spill: SpillArea | None = None
         self._row_files: dict[str, RowFile] = {}
-        self._attention_patch: StreamedAttention | None = None
         self._budget_need_total = 0
         self._buffers: dict[str, torch.Tensor] = {}
         self.spill_error: StorageError | None = None  # a failed move to disk, reported next call
@@ -746,7 +744,7 @@ class KVDirectCache(Cache):
             self._hooks.append(
                 module.register_forward_pre_hook(_capture_into(layer), with_kwargs=True)
             )
-        self.enable_streaming(self.stream_chunk)  # re-attached: streaming needs its patch
+        install_attention(self.adapter)
         return self
 
     def note_layer_input(self, layer_idx: int, hidden: torch.Tensor) -> None:
@@ -761,17 +759,12 @@ class KVDirectCache(Cache):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        if self._attention_patch is not None:
-            self._attention_patch.remove()
-            self._attention_patch = None
 
     def enable_streaming(self, chunk: int | None) -> None:
         """Stream cold K/V into attention ``chunk`` rows at a time (None: off)."""
         self.stream_chunk = chunk
-        if chunk is not None and self._attention_patch is None:
-            from kvchat.kvdirect.streamed_attention import StreamedAttention
-
-            self._attention_patch = StreamedAttention(self.adapter)
+        if chunk is not None:
+            install_attention(self.adapter)
 
     # -- reusable scratch ----------------------------------------------------------------
     def _buffer(
@@ -904,6 +897,14 @@ class KVDirectCache(Cache):
         if not lengths:
             lengths = [layer.hot_length for layer in self.layers]
         return min(lengths) if lengths else 0
+
+
+def install_attention(adapter: ArchAdapter) -> None:
+    """Route the model's attention through kvchat's (kvchat.kvdirect.attention): the exact
+    kernel every cache runs, and the streamed path this cache's layers need."""
+    from kvchat.kvdirect.attention import install
+
+    install([adapter.attention_module(i) for i in range(adapter.num_layers)])
 
 
 def _need(layer: KVDirectLayer) -> int:

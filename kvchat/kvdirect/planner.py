@@ -15,8 +15,15 @@ where sliding-window layers keep at most about one window of tokens. In order:
 3. the disk tier: K/V-form layers keep their last W tokens resident and the rest as K/V on
    disk; residual layers keep B hot and a budget of checkpoints resident, the rest on disk.
    If one layer's whole K/V for the context (the scratch handed to attention) does not fit
-   either, attention is streamed over chunks (``Plan.stream_chunk``, streamed_attention.py),
-   which keeps the greedy tokens but not bit-identical logits.
+   either, attention is streamed over chunks (``Plan.stream_chunk``, streamed_attention.py).
+
+No plan changes a bit of the output. The rows per forward call (``--prefill-chunk``) are
+never changed by a ceiling, since the model's matmuls give a row bits that depend on how
+many rows share the call; attention sums in one order whatever the chunks
+(exact_attention.py); a checkpointed call is replayed whole, with its own row count. The
+attention call's own state (a running max, sum and output per query row) is sized like the
+query and the output, activations of the forward call, and is not counted as conversation
+state; what streaming bounds is the cold K/V it reads.
 
 Only when token ids and the smallest chunk's scratch alone pass half the ceiling is a
 prompt refused, with the smallest ceiling that would run it.
@@ -110,7 +117,6 @@ class Plan:
     hot_window: int | None = None  # residual layers; None: keep every token's K/V hot
     checkpoint_budget: int | None = None  # resident checkpoint bytes; None: all in memory
     stream_chunk: int | None = None  # rows per streamed attention chunk; None: whole K/V
-    prefill_chunk: int | None = None  # cap on rows per forward call (streamed scratch)
     kv_window: int | None = None  # K/V-form layers under the disk tier; None: all hot
     decode_stream_chunk: int | None = None  # rows per streamed chunk for one-token steps
     estimate: StateEstimate | None = field(default=None, compare=False)
@@ -229,23 +235,28 @@ class Planner:
             2 * visible * x.kv_bytes + READ_CHUNK_ROWS * _row_bytes(x, form)
             for x, visible, form in layers
         )
-        stream_chunk = prefill_cap = None
+        stream_chunk = None
         scratch = whole
         if fixed + scratch > self.ceiling // 2:
             for chunk in STREAM_CHUNKS:
-                rows = min(chunk, self.prefill_chunk)
-                scratch = max(self._stream_scratch(x, rows, form) for x, _, form in layers)
+                scratch = max(self._stream_scratch(x, chunk, form) for x, _, form in layers)
                 if fixed + scratch <= self.ceiling // 2:
-                    stream_chunk, prefill_cap = rows, rows
+                    stream_chunk = chunk
                     break
             else:
                 need = 2 * (fixed + scratch)
+                # A residual checkpoint is replayed one whole forward call at a time.
+                hint = (
+                    f", or --checkpoint kv, or a smaller --prefill-chunk than {self.prefill_chunk}"
+                    if "residual" in self.forms
+                    else ""
+                )
                 raise NeedsDiskTierError(
                     f"--max-mem {human_bytes(self.ceiling)} is too small for {n_tokens} tokens "
                     f"even with the disk tier: it needs at least {human_bytes(need)} (token ids "
                     f"{human_bytes(fixed)} and the smallest read-back scratch "
                     f"{human_bytes(scratch)}, with as much again for the hot window); "
-                    f"use --max-mem {_round_up(need)} or more"
+                    f"use --max-mem {_round_up(need)} or more{hint}"
                 )
         decode_chunk = None
         if stream_chunk is not None:
@@ -254,9 +265,7 @@ class Planner:
             reserve = sum(min(DECODE_HOT_ROWS, v) * x.kv_bytes for x, v, _ in layers)
             budget = max(self.ceiling // 2, self.ceiling - reserve) - fixed
             decode_chunk = self._decode_chunk(layers, budget)
-            decode_scratch = max(
-                self._stream_scratch(x, decode_chunk, f, 1, DECODE_HOT_ROWS) for x, _, f in layers
-            )
+            decode_scratch = max(self._stream_scratch(x, decode_chunk, f) for x, _, f in layers)
             scratch = max(scratch, decode_scratch)  # a step is one or the other, never both
         room = self.ceiling - fixed - scratch
         res = [(x, v) for x, v, f in layers if f == "residual"]
@@ -278,39 +287,23 @@ class Planner:
             budget = max(0, room_res - hot(b, res))
         used = (hot(kv_window, kvs) if kvs else 0) + (hot(b, res) if res else 0)
         estimate = StateEstimate(used, budget, scratch, fixed)
-        return Plan(b, budget, stream_chunk, prefill_cap, kv_window, decode_chunk, estimate)
+        return Plan(b, budget, stream_chunk, kv_window, decode_chunk, estimate)
 
-    def _stream_scratch(
-        self,
-        layer: LayerFootprint,
-        rows: int,
-        form: str = "residual",
-        queries: int | None = None,
-        hot_rows: int | None = None,
-    ) -> int:
-        """Peak bytes of one streamed chunk of ``rows`` cold tokens for ``queries`` query rows
-        (a prefill chunk of ``rows`` by default, 1 when decoding): the stored rows read and,
-        for residuals, normed; their K/V (and fp32 copies); the scores, weights and their
-        difference from the running max (fp32, 4 bytes each, x3); and the same for the hot
-        block (the window plus the new rows) handed over beside it."""
-        queries = rows if queries is None else queries
-        heads = layer.query_heads or max(1, layer.hidden_size // max(1, layer.head_dim))
-        kv_fp32 = layer.kv_bytes * 4 // max(1, self.fp.itemsize)
-        read = rows * _row_bytes(layer, form)  # longer pieces are read in parts of ``rows``
-        upcast = kv_fp32 if self.fp.itemsize != 4 else 0  # .float() copies only below fp32
-        if form == "residual":  # normed rows, then the recomputed K/V
-            rebuilt = layer.residual_bytes + layer.kv_bytes
-        else:  # K/V are read into one window buffer and viewed in place there
-            rebuilt = 0
-        per_cold_row = rebuilt + upcast + heads * queries * 12
-        hot_block = max(rows, queries) if hot_rows is None else hot_rows + queries
-        return read + rows * per_cold_row + 2 * queries * heads * hot_block * 12
+    def _stream_scratch(self, layer: LayerFootprint, rows: int, form: str = "residual") -> int:
+        """Peak bytes of one streamed chunk of ``rows`` cold tokens: K/V rows are read into
+        one window buffer and viewed in place there; a residual checkpoint is replayed a
+        whole forward call at a time (its row count keeps the bits), so up to one prefill
+        chunk of rows is read, normed and projected to K/V, whatever ``rows`` is."""
+        if form == "residual":
+            replayed = max(rows, self.prefill_chunk)
+            return replayed * (2 * layer.residual_bytes + layer.kv_bytes)
+        return rows * layer.kv_bytes
 
     def _decode_chunk(self, layers: list, budget: int) -> int:
         """The largest streamed chunk a one-token step can use within ``budget`` bytes of
         scratch: a decode step has one query row, not a prefill chunk's ``rows``."""
         for rows in DECODE_STREAM_CHUNKS:
-            need = max(self._stream_scratch(x, rows, f, 1, DECODE_HOT_ROWS) for x, _, f in layers)
+            need = max(self._stream_scratch(x, rows, f) for x, _, f in layers)
             if need <= budget:
                 return rows
         return DECODE_STREAM_CHUNKS[-1]

@@ -2,36 +2,27 @@
 
 Under a ceiling smaller than one layer's K/V for the whole context (e.g. 2 MB for 8K
 SmolLM2 tokens: 12 MB of fp32 K/V per layer), the cache cannot hand attention the full K/V.
-It hands over the hot part and leaves the cold range pending; this attention function then
-recomputes the cold K/V a bounded chunk at a time (reading checkpoints from disk as needed)
-and combines the chunks with the running-max softmax of FlashAttention (Dao et al. 2022,
-arXiv 2205.14135; Milakov & Gimelshein 2018, arXiv 1805.02867). On CPU each chunk is one
-call of torch's fused flash-attention kernel, which returns the chunk's log-sum-exp beside
-its output, and chunks are merged by those; the spelled-out update (a dozen small ops per
-chunk, each of which may wake the thread pool) is kept for other devices.
+It hands over the hot part and leaves the cold range pending (``attention.pending_stream``);
+this function then fetches the cold K/V a bounded chunk at a time (recomputed from
+checkpoints or read from disk) and folds each chunk into the running state of kvchat's
+exact attention (``exact_attention.AttentionState``), then the hot rows. That kernel folds
+keys one at a time in position order, so the chunks' boundaries change no bit: the output
+is ``torch.equal`` to the same call over the whole K/V, which is what the standard cache
+and the unbounded cache run too.
 
-The attention sum is taken in another order than SDPA's kernel, and a forward call longer
-than the chunk (a prefill chunk saved under a roomier ceiling) is projected in pieces, so
-logits differ from the standard cache in the last bits (~2e-6 in fp32). The promise on this
-path is therefore the same greedy tokens, not ``torch.equal`` logits; tests measure both.
-Layers with nothing pending, and every layer when streaming is off, go through the model's
-own attention function unchanged.
-
-Hooked in through transformers' ``AttentionInterface``: the model's attention
-implementation is renamed ``kvdirect_<original>`` while the cache is attached, with the
-original mask function registered under the same name, and restored on ``remove()``.
+Where the exact kernel cannot run (another device, no C compiler), chunks go through
+torch's attention and are merged by their log-sum-exp (FlashAttention's running-max
+softmax: Dao et al. 2022, arXiv 2205.14135; Milakov & Gimelshein 2018, arXiv 1805.02867).
+That sums in another order than whole-K/V attention, so there the promise is the same
+greedy tokens, not the same bits.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from kvchat.kvdirect.arch import ArchAdapter
 
 
 # What this module reads of the cache (kvchat.kvdirect.cache, which imports this module):
@@ -139,21 +130,56 @@ def streamed_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None,
+    scaling: float,
+    window: int | None,
 ) -> torch.Tensor:
     """Attention of ``query`` over [pending cold K/V, ``key``/``value``]; [b, q, H, d].
+    ``window``: the layer's sliding window (None: full attention)."""
+    from kvchat.kvdirect import exact_attention
 
-    Grouped-query heads are folded into the query rows ([b, kv heads, groups * q, d]), so
-    K/V are never widened to every query head (``repeat_kv``'s head order: query head
-    ``h`` reads kv head ``h // groups``). On CPU each block goes through torch's fused
-    attention kernel and blocks are merged by their log-sum-exp; elsewhere the running-max
-    update is spelled out.
-    """
     begin, end = layer.pending_cold
     layer.pending_cold = None
+    q_len = query.shape[-2]
+    total = end - begin + key.shape[-2]
+    owner = layer.owner
+    chunk = owner.decode_stream_chunk if q_len == 1 and owner.decode_stream_chunk else None
+    cold = layer.iter_cold_kv(begin, end, chunk or owner.stream_chunk)
+    if exact_attention.usable(module, query, attention_mask, total, window):
+        state = exact_attention.AttentionState(query, scaling, total - q_len, window)
+        column = 0
+        for cold_k, cold_v in cold:
+            n = cold_k.shape[-2]
+            # The state is sized like the query (an activation); the cold rows are scratch.
+            owner.stats.note_scratch(2 * cold_k.numel() * cold_k.element_size())
+            state.fold(cold_k, cold_v, column)
+            column += n
+        _check_streamed(layer, column, end - begin)
+        state.fold(key, value, column)
+        return state.finish()
+    return _merged_by_lse(layer, module, query, key, value, attention_mask, scaling, cold)
+
+
+def _check_streamed(layer: StreamedLayer, column: int, expected: int) -> None:
+    if column != expected:
+        raise RuntimeError(f"layer {layer.layer_idx}: streamed {column} of {expected} rows")
+
+
+def _merged_by_lse(
+    layer: StreamedLayer,
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    cold: Iterator[tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """The fallback off the exact kernel: each chunk by torch's attention, merged by
+    log-sum-exp (see the module docstring for what it promises). Grouped-query heads are
+    folded into the query rows ([b, kv heads, groups * q, d]), so K/V are never widened
+    to every query head (``repeat_kv``'s head order)."""
     batch, heads, q_len, dim = query.shape
     groups = getattr(module, "num_key_value_groups", 1)
-    scaling = scaling if scaling is not None else 1.0 / math.sqrt(dim)
     folded = query.float().reshape(batch, heads // groups, groups * q_len, dim)
     fused = query.device.type == "cpu"
 
@@ -170,9 +196,7 @@ def streamed_attention(
 
     column = 0
     stats = layer.owner.stats
-    owner = layer.owner
-    chunk = owner.decode_stream_chunk if q_len == 1 and owner.decode_stream_chunk else None
-    for cold_k, cold_v in layer.iter_cold_kv(begin, end, chunk or owner.stream_chunk):
+    for cold_k, cold_v in cold:
         n = cold_k.shape[-2]
         if n == 0:
             continue
@@ -180,8 +204,6 @@ def streamed_attention(
         stats.note_scratch(2 * cold_k.numel() * cold_k.element_size() + heads * q_len * n * 8)
         fold(cold_k, cold_v, mask)
         column += n
-    if column != end - begin:
-        raise RuntimeError(f"layer {layer.layer_idx}: streamed {column} of {end - begin} rows")
     n_hot = key.shape[-2]
     if attention_mask is not None:
         mask = attention_mask[..., column : column + n_hot]
@@ -199,82 +221,3 @@ def streamed_attention(
         out = acc / total
     out = out.reshape(batch, heads, q_len, -1).to(query.dtype)
     return out.transpose(1, 2).contiguous()
-
-
-PREFIX = "kvdirect_"
-
-
-class StreamedAttention:
-    """Routes a model's attention through ``streamed_attention`` while a cache needs it.
-
-    Several sessions may share one model (tests, the app's resume): the patch is installed
-    once per model and counted; each layer binds itself to its attention module when it
-    leaves a cold range pending, so the cache running the current forward call is the one
-    read. The model's own attention implementation is restored when the last user goes.
-    """
-
-    def __init__(self, adapter: ArchAdapter) -> None:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-
-        self.modules = [adapter.attention_module(i) for i in range(adapter.num_layers)]
-        self.configs = []
-        for module in self.modules:
-            if all(module.config is not c for c in self.configs):
-                self.configs.append(module.config)
-        first = self.modules[0]
-        users = getattr(first, "_kvdirect_users", 0)
-        first._kvdirect_users = users + 1
-        if users:
-            return  # already patched by another cache on this model
-        self.original = self.configs[0]._attn_implementation or "eager"
-        first._kvdirect_original = self.original
-        name = PREFIX + self.original
-        if self.original == "eager":
-            from transformers.models.llama.modeling_llama import eager_attention_forward
-
-            inner = eager_attention_forward
-        else:
-            inner = ALL_ATTENTION_FUNCTIONS[self.original]
-        original = self.original
-
-        def attention(module: Any, query, key, value, attention_mask, **kwargs):
-            layer = getattr(module, "_kvdirect_layer", None)
-            if layer is None or layer.pending_cold is None:
-                if original == "eager":
-                    eager = getattr(module, "_kvdirect_eager", None) or inner
-                    return eager(module, query, key, value, attention_mask, **kwargs)
-                return inner(module, query, key, value, attention_mask, **kwargs)
-            scaling = kwargs.get("scaling")
-            return streamed_attention(
-                layer, module, query, key, value, attention_mask, scaling
-            ), None
-
-        AttentionInterface.register(name, attention)
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[self.original])
-        for module in self.modules:
-            module._kvdirect_eager = _module_eager(module)
-        for config in self.configs:
-            config._attn_implementation = name
-
-    def remove(self) -> None:
-        first = self.modules[0]
-        first._kvdirect_users = getattr(first, "_kvdirect_users", 1) - 1
-        if first._kvdirect_users > 0:
-            return
-        original = getattr(first, "_kvdirect_original", "sdpa")
-        for config in self.configs:
-            config._attn_implementation = original
-        for module in self.modules:
-            for attr in ("_kvdirect_layer", "_kvdirect_eager", "_kvdirect_users"):
-                if hasattr(module, attr):
-                    delattr(module, attr)
-        if hasattr(first, "_kvdirect_original"):
-            del first._kvdirect_original
-
-
-def _module_eager(module: Any) -> Any:
-    """The eager attention function of the module's own modeling file (Gemma's differs)."""
-    import sys
-
-    return getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)

@@ -99,7 +99,13 @@ def _config(family: str):
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2")
 
 
-def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+def tiny_model(
+    family: str, dtype: torch.dtype = torch.float32, seed: int = 0, *, kvchat_attention: bool = True
+):
+    """A tiny random model of ``family``. With ``kvchat_attention`` (the default) it runs
+    kvchat's attention, as every model kvchat loads does, so every cache on it sums
+    attention in one order; without it, transformers' own SDPA (a reference to compare
+    kvchat's tokens with)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -111,4 +117,9 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0):
         for p in model.parameters():
             if p.dim() >= 2:
                 p.mul_(4.0)
+    if kvchat_attention:
+        from kvchat.kvdirect.arch import ArchAdapter
+        from kvchat.kvdirect.cache import install_attention
+
+        install_attention(ArchAdapter(model))
     return model

@@ -10,26 +10,20 @@ projections, quantized or not; the rotary table; the embedding; the head) they a
 as they are, and attention goes through the model's own attention function (except for
 quantized models, below).
 
-Exactness: with float weights (``--weights none``, any ``--dtype``) the step gives the bits
-of the model's own ``forward`` (``torch.equal`` logits and K/V;
-``tests/models/test_decode_step.py``), so kvchat still equals transformers' ``generate``
-there. The only arithmetic spelled out here is what transformers spells out in Python in
-``modeling_llama``: RMSNorm, ``rotate_half`` and the rotary products, the residual adds and
-the gated MLP, each in the same op order and dtypes. The rotary products run over q's and
-k's heads in one tensor when the stacked projection hands them over side by side:
-elementwise multiply and add round each element alone, so that changes no bit.
-
-Models kvchat quantized have no transformers reference to equal, and for them attention
-packs GQA (:func:`_packed_gqa_attention`; ``benchmarks/bench_decode_step.py`` measures the
-step with and without it against the model's forward). It sums in another order, so
-logits differ from the model path in the last bits (the same greedy tokens in the tests),
-while every cache runs the same steps: bounded still equals unbounded bit for bit in every
-weights mode, which is the cache's promise (``tests/kvdirect``). Replaying a checkpoint
-recomputes K/V only, never attention, so replayed K/V still match the steps' own.
+Exactness: the step calls the attention function the model's forward calls (kvchat's, once
+``kvchat.kvdirect.attention.install`` has routed the model: the exact kernel every cache and
+every path share), and the model's own modules for the rest. The only arithmetic spelled
+out here is what transformers spells out in Python in ``modeling_llama``: RMSNorm,
+``rotate_half`` and the rotary products, the residual adds and the gated MLP, each in the
+same op order and dtypes. So the step gives the bits of the model's own ``forward``
+(``torch.equal`` logits and K/V; ``tests/models/test_decode_step.py``) in every weights mode.
+The rotary products run over q's and k's heads in one tensor when the stacked projection
+hands them over side by side: elementwise multiply and add round each element alone, so
+that changes no bit.
 
 The layers in C++: for the quantized CPU form the default model takes, each layer's two
-halves around the cache's update (input norm, q/k/v and rotary; then attention, o_proj and
-the MLP) run in ``kvchat.models.native`` once its library is built (in the background, at
+halves around the cache's update and attention (input norm, q/k/v and rotary; then o_proj
+and the MLP) run in ``kvchat.models.native`` once its library is built (in the background, at
 first use) and has given these halves' bits on this machine; until then, without a C++
 compiler, or with ``KVCHAT_NATIVE=0``, the Python halves below run, with the same output.
 
@@ -126,20 +120,6 @@ def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return norm.weight * hidden
 
 
-def _packed_gqa_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """One query row's attention with each K/V head's query heads as its rows
-    (``[1, kv_heads, group, head_dim]``): no K/V head is repeated, and torch's CPU kernel
-    runs it faster than SDPA's ``enable_gqa`` form (``benchmarks/bench_decode_step.py``).
-    Returns ``[1, 1, heads * dim]``."""
-    batch, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=scaling)
-    return out.reshape(batch, 1, heads * dim)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -164,11 +144,7 @@ class DecodeStep:
         self.skipped: list[nn.Module] = [base, self.norm]
         for layer, parts in zip(self.decoder_layers, self.layers):
             self.skipped += [layer, parts.attention, layer.mlp, parts.input_norm, parts.post_norm]
-        # Float weights are transformers' model: its bits are the promise (``--weights
-        # none`` equals ``generate``), so attention goes through its own function. A model
-        # kvchat quantized has no such reference; its steps pack GQA (see
-        # _packed_gqa_attention), the same for every cache, so bounded still equals
-        # unbounded bit for bit.
+        # A model kvchat quantized on the CPU can run its layers in C++ (below).
         from kvchat.models.fused import weight_widths
 
         self.packs_gqa = bool(weight_widths(model))
@@ -241,9 +217,8 @@ class DecodeStep:
         note_input: Callable[[int, torch.Tensor], None] | None = getattr(
             cache, "note_layer_input", None
         )
-        packed = self.packs_gqa and mask is None and self.config._attn_implementation == "sdpa"
-        native = self._native_layers() if packed and hidden.dtype == torch.float32 else None
-        attention = None if packed else self._attention_function()
+        native = self._native_layers() if hidden.dtype == torch.float32 else None
+        attention = self._attention_function()
         for layer in self.layers:
             index = layer.index
             if note_input is not None:
@@ -253,16 +228,15 @@ class DecodeStep:
             else:
                 query, key, value = self.python_before_attention(layer, hidden, cos, sin)
             key, value = cache.update(key, value, index)
+            out, _ = attention(
+                layer.attention, query, key, value, mask, dropout=0.0,
+                scaling=layer.attention.scaling,
+            )  # fmt: skip
+            attended = out.reshape(1, 1, -1)
             if native is not None:
-                hidden = native.after_attention(index, hidden, query, key, value)
-            elif packed:
-                hidden = self.python_after_attention(layer, hidden, query, key, value)
+                hidden = native.after_attention(index, hidden, attended)
             else:
-                out, _ = attention(
-                    layer.attention, query, key, value, mask, dropout=0.0,
-                    scaling=layer.attention.scaling,
-                )  # fmt: skip
-                hidden = self.after_attention(layer, hidden, out.reshape(1, 1, -1).contiguous())
+                hidden = self.after_attention(layer, hidden, attended.contiguous())
         hidden = _rms_norm(self.norm, hidden)
         return self.head(hidden)[0, -1]
 
@@ -273,19 +247,6 @@ class DecodeStep:
         the input norm, the projections and the rotary products."""
         x = _rms_norm(layer.input_norm, hidden)
         return self._qkv(layer, x, cos, sin, self.head_dim)
-
-    def python_after_attention(
-        self,
-        layer: _Layer,
-        residual: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-    ) -> torch.Tensor:
-        """The layer's output for a quantized model: packed-GQA attention over the cache's
-        ``key`` and ``value``, then :meth:`after_attention`."""
-        out = _packed_gqa_attention(query, key, value, layer.attention.scaling)
-        return self.after_attention(layer, residual, out)
 
     def _native_layers(self) -> Any:
         """The C++ layers once built and checked; None until then, or without them."""

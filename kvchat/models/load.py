@@ -56,8 +56,7 @@ def load(
     set_decode_threads(decode_threads or decode_threads_for(weights_bytes, threads))
     from kvchat.models.decode_step import prepare_decode_step
 
-    prepare_decode_step(model)
-    return LoadedModel(
+    loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=resolved.name,
@@ -68,6 +67,11 @@ def load(
         weights_mode=weights,
         path=resolved.path,
     )
+    # Every cache then runs kvchat's attention (one order of summation on every path), and
+    # the decode step is built over it.
+    loaded.install_attention()
+    prepare_decode_step(model)
+    return loaded
 
 
 # Gemma 3 4B/12B/27B checkpoints are image+text models; for chat we load only the language

@@ -51,6 +51,16 @@ class LoadedModel:
             self._adapter = ArchAdapter(self.model)
         return self._adapter
 
+    def install_attention(self) -> None:
+        """Route the model's attention through kvchat's (``kvchat.kvdirect.attention``)."""
+        from kvchat.kvdirect.arch import UnsupportedArchitectureError
+        from kvchat.kvdirect.cache import install_attention
+
+        try:
+            install_attention(self.adapter())
+        except UnsupportedArchitectureError:
+            pass  # no KV-Direct cache for it either: the model's own attention serves
+
 
 def fingerprint(config: PretrainedConfig, weights_mode: str, model_dir: Path | None) -> str:
     """sha256 over the config, the weights files' headers, sizes and first/last MiB, and the

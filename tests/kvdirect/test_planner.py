@@ -62,12 +62,24 @@ def test_memoised_plans_fit_every_length_of_their_block():
 
 def test_checkpoints_over_the_ceiling_move_to_the_disk_tier_and_the_plan_fits():
     ceiling = 2 * 10**6
-    planner, _ = smollm2_planner(ceiling)
+    planner, _ = smollm2_planner(ceiling, "kv")
     for n in (2000, 8192):
         plan = planner.plan(n)
         assert plan.disk_tier and plan.estimate.total <= ceiling
         # one layer's K/V for the whole context (12 MB at 8K) cannot be handed over whole
-        assert plan.stream_chunk is not None and plan.prefill_chunk == plan.stream_chunk
+        assert plan.stream_chunk is not None
+
+
+def test_residual_checkpoints_need_room_to_replay_one_forward_call():
+    """A residual call is replayed whole (its row count keeps the bits), so a ceiling
+    below one prefill chunk's replay is refused, naming what would run, instead of
+    replaying it in pieces."""
+    with pytest.raises(NeedsDiskTierError, match="--checkpoint kv, or a smaller --prefill-chunk"):
+        smollm2_planner(2 * 10**6)[0].plan(2000)
+    fp = footprint_from_config(config_from_dict(bundled_config_dict("smollm2-135m")), "float32")
+    small_calls = Planner(fp, choose_forms(fp, "residual"), 2 * 10**6, prefill_chunk=32)
+    plan = small_calls.plan(2000)
+    assert plan.disk_tier and plan.stream_chunk is not None and plan.estimate.total <= 2 * 10**6
 
 
 def test_disk_tier_keeps_the_bit_identical_path_when_one_layer_fits():

@@ -48,20 +48,14 @@ std::tuple<Tensor, Tensor, Tensor> before_attention(
   return {qk.slice(1, 0, q_heads), qk.slice(1, q_heads), value};
 }
 
-// Packed-GQA attention over the cache's K/V, o_proj, the residual add, the post-attention
-// norm and the gated SiLU MLP: the layer's output, [1, 1, hidden].
+// o_proj over the attention output ([1, 1, heads * head_dim]), the residual add, the
+// post-attention norm and the gated SiLU MLP: the layer's output, [1, 1, hidden].
 Tensor after_attention(
-    const Tensor& residual, const Tensor& query, const Tensor& key, const Tensor& value,
-    double scaling, const Tensor& o_weight, const Tensor& o_scales, int64_t o_group,
-    const Tensor& norm_weight, double eps, const Tensor& gate_up_weight,
-    const Tensor& gate_up_scales, int64_t gate_up_group, int64_t gate_width,
-    const Tensor& down_weight, const Tensor& down_scales, int64_t down_group) {
-  auto batch = query.size(0), heads = query.size(1), dim = query.size(3);
-  auto kv_heads = key.size(1);
-  auto packed = query.reshape({batch, kv_heads, heads / kv_heads, dim});
-  auto attended = at::scaled_dot_product_attention(
-      packed, key, value, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/false, scaling);
-  attended = attended.reshape({batch, 1, heads * dim});
+    const Tensor& residual, const Tensor& attended, const Tensor& o_weight,
+    const Tensor& o_scales, int64_t o_group, const Tensor& norm_weight, double eps,
+    const Tensor& gate_up_weight, const Tensor& gate_up_scales, int64_t gate_up_group,
+    int64_t gate_width, const Tensor& down_weight, const Tensor& down_scales,
+    int64_t down_group) {
   auto o = project(attended, o_weight, o_scales, o_group);
   auto hidden = residual + o.reshape({1, 1, -1});
   auto x = rms_norm(hidden, norm_weight, eps);
@@ -81,7 +75,7 @@ TORCH_LIBRARY(kvchat_native, m) {
       "Tensor sin) -> (Tensor, Tensor, Tensor)",
       before_attention);
   m.def(
-      "after_attention(Tensor residual, Tensor query, Tensor key, Tensor value, float scaling, "
+      "after_attention(Tensor residual, Tensor attended, "
       "Tensor o_weight, Tensor o_scales, int o_group, Tensor norm_weight, float eps, "
       "Tensor gate_up_weight, Tensor gate_up_scales, int gate_up_group, int gate_width, "
       "Tensor down_weight, Tensor down_scales, int down_group) -> Tensor",

@@ -1,0 +1,126 @@
+"""Which attention a model's layers run while kvchat drives it, on every cache.
+
+:func:`install` registers one attention function with transformers' ``AttentionInterface``
+under ``kvdirect_<original>`` and points the model's configs at it, once per model. The
+function runs, in order of preference:
+
+1. a streamed layer's attention, when the cache's ``update`` for this layer left cold
+   positions for attention to fetch (:func:`pending_stream`; ``streamed_attention.py``);
+2. kvchat's exact kernel (``exact_attention.py``) for ordinary calls on the CPU, so the
+   standard cache, the bounded cache's whole K/V and its streamed windows all sum in one
+   order and give the same bits;
+3. the model's own attention otherwise (another device, a soft cap, a padding mask).
+
+The cache hands a streamed layer over through a context variable set in ``update`` and
+read by the attention call that follows it in the same thread: nothing is planted on
+transformers' modules, and two caches on one model never see each other's layers.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import torch
+
+from kvchat.kvdirect import exact_attention
+
+PREFIX = "kvdirect_"
+
+__all__ = ["PREFIX", "install", "installed", "pending_stream", "set_pending_stream"]
+
+_pending: contextvars.ContextVar[Any] = contextvars.ContextVar("kvchat_stream", default=None)
+
+
+def set_pending_stream(layer: Any) -> None:
+    """Called by a cache layer whose ``update`` left cold positions for attention."""
+    _pending.set(layer)
+
+
+def pending_stream(layer_idx: int) -> Any:
+    """The layer left pending for ``layer_idx`` (and forget it), else None."""
+    layer = _pending.get()
+    if layer is None or layer.layer_idx != layer_idx or layer.pending_cold is None:
+        return None
+    _pending.set(None)
+    return layer
+
+
+def _configs(modules: list[Any]) -> list[Any]:
+    configs: list[Any] = []
+    for module in modules:
+        if all(module.config is not c for c in configs):
+            configs.append(module.config)
+    return configs
+
+
+def installed(config: Any) -> bool:
+    return str(getattr(config, "_attn_implementation", "") or "").startswith(PREFIX)
+
+
+def install(attention_modules: list[Any]) -> None:
+    """Route these attention modules (a model's, all of them) through kvchat's attention.
+    Idempotent; the model's own implementation stays reachable for calls the exact kernel
+    does not take."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    configs = _configs(attention_modules)
+    original = configs[0]._attn_implementation or "eager"
+    if original.startswith(PREFIX):
+        return
+    name = PREFIX + original
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        inner = None if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
+
+        def attention(module: Any, query, key, value, attention_mask, **kwargs):
+            from kvchat.kvdirect.streamed_attention import streamed_attention
+
+            scaling = kwargs.get("scaling")
+            if scaling is None:
+                scaling = query.shape[-1] ** -0.5
+            window = exact_attention.window_of(module, kwargs)
+            layer = pending_stream(module.layer_idx)
+            if layer is not None:
+                return streamed_attention(
+                    layer, module, query, key, value, attention_mask, scaling, window
+                ), None
+            if exact_attention.usable(module, query, attention_mask, key.shape[-2], window):
+                out = exact_attention.exact_attention(query, key, value, scaling, window)
+                return out, None
+            function = inner or _module_eager(module)
+            return function(module, query, key, value, attention_mask, **kwargs)
+
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    for config in configs:
+        config._attn_implementation = name
+
+
+def _module_eager(module: Any) -> Any:
+    """The eager attention function of the module's own modeling file (Gemma's differs)."""
+    import sys
+
+    found = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if found is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        found = eager_attention_forward
+    return found
+
+
+def run_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """What the installed function computes, for callers that skip the module call (the
+    decode step): ``[1, q_len, heads, dim]``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    function = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
+    out, _ = function(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling)
+    return out

@@ -1,0 +1,561 @@
+/* kvchat's attention sum: one accumulation order on every path.
+ *
+ * Every query row keeps a running (max, sum, weighted values) state and folds the keys in
+ * position order, one key at a time. Nothing in a row's arithmetic depends on how the keys
+ * were split into calls, on which other rows share the call, or on how many threads ran it:
+ *
+ *   - keys are folded one by one, so a call over keys [a, c) gives the bits of a call over
+ *     [a, b) followed by one over [b, c) (whole, in-place and streamed K/V agree);
+ *   - rows are computed in lanes of LANES, each lane with the same scalar arithmetic, so a
+ *     row's bits do not depend on its neighbours (a decode step, a prefill chunk of any
+ *     size and a recompute agree);
+ *   - threads split the work by (kv head, lane tile), never inside a row.
+ *
+ * The arithmetic is spelled out (no -ffast-math, -ffp-contract=off, fmaf where a fused
+ * multiply-add is meant) and exp is our own, so a vectorised lane and a scalar one give
+ * the same result; where the compiler vectorises only changes the speed.
+ *
+ * Per key and row:  s = (q * scale) . k, as 16 partial sums over dim (element e goes to
+ * sum e % 16, in order) added in a fixed tree;  m' = max(m, s);  alpha = exp(m - m') (1 when the
+ * max is unchanged);  p = exp(s - m');  l = l * alpha + p;  acc = acc * alpha + p * v.
+ * Invisible keys (causal, sliding window) change nothing.
+ */
+
+#include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16  /* rows per tile in the many-rows layout */
+#define PARTS 16  /* partial sums of a dot product */
+#define FEW_ROWS 8  /* below this many rows per kv head, the one-row layout serves */
+
+static inline float bf16_to_f32(uint16_t bits) {
+  uint32_t wide = (uint32_t)bits << 16;
+  float out;
+  memcpy(&out, &wide, sizeof out);
+  return out;
+}
+
+/* exp(x) for x <= 0 (x may be -inf), about 1 ulp; Cody-Waite reduction and a degree-6
+ * polynomial (Cephes' expf coefficients). exp(0) is exactly 1. */
+static inline float exp_nonpositive(float x) {
+  const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  float clamped = x < -87.0f ? -87.0f : x;
+  float t = fmaf(clamped, 1.44269504088896341f, magic);
+  float n = t - magic;
+  float r = fmaf(n, -0.693359375f, clamped);
+  r = fmaf(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = fmaf(p, r, 1.3981999507e-3f);
+  p = fmaf(p, r, 8.3334519073e-3f);
+  p = fmaf(p, r, 4.1665795894e-2f);
+  p = fmaf(p, r, 1.6666665459e-1f);
+  p = fmaf(p, r, 5.0000001201e-1f);
+  float r2 = r * r;
+  float y = fmaf(p, r2, r) + 1.0f;
+  int32_t e = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &e, sizeof scale);
+  float out = y * scale;
+  return x < -87.0f ? 0.0f : out;
+}
+
+typedef struct {
+  const float *q;      /* [heads][q_len][dim], contiguous */
+  int64_t heads, q_len, dim, kv_heads;
+  const int64_t *q_pos; /* [q_len]: each query's position */
+  float scale;
+  int64_t window;       /* sliding window (0: none): key visible iff q - window < key <= q */
+  const void *k, *v;
+  int32_t dtype;        /* 0: float32, 1: bfloat16 */
+  int64_t k_head_stride, k_row_stride, v_head_stride, v_row_stride; /* in elements */
+  int64_t n_keys, key_pos0;
+  float *m, *l, *acc;   /* state: [heads * q_len], [heads * q_len], [heads * q_len][dim] */
+  int64_t tiles_per_head, n_units, next_unit;
+  pthread_mutex_t lock;
+} Job;
+
+static inline void load_row(const void *base, int32_t dtype, int64_t at, int64_t dim,
+                            float *out) {
+  if (dtype == 1) {
+    const uint16_t *src = (const uint16_t *)base + at;
+    for (int64_t e = 0; e < dim; e++) out[e] = bf16_to_f32(src[e]);
+  } else {
+    memcpy(out, (const float *)base + at, (size_t)dim * sizeof(float));
+  }
+}
+
+static inline int is_visible(int64_t key, int64_t query, int64_t window) {
+  return key <= query && (window <= 0 || key > query - window);
+}
+
+/* The fixed tree over the PARTS partial sums: halves added until one is left. */
+static inline float tree_sum(float *part) {
+  for (int width = PARTS / 2; width >= 1; width /= 2)
+    for (int i = 0; i < width; i++) part[i] = part[i] + part[i + width];
+  return part[0];
+}
+
+/* Rows of kv head `kv_head` from `first` (at most LANES), state loaded and stored around. */
+static void rows_span(const Job *job, int64_t kv_head, int64_t first, int64_t *row0,
+                      int64_t *lanes) {
+  const int64_t rows = (job->heads / job->kv_heads) * job->q_len;
+  *row0 = kv_head * rows + first; /* a kv head's query rows are adjacent */
+  *lanes = rows - first < LANES ? rows - first : LANES;
+}
+
+/* Many rows: LANES rows side by side, each lane one row's scalar arithmetic. */
+static void fold_tile(const Job *job, int64_t kv_head, int64_t first) {
+  const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
+  int64_t row0, lanes;
+  rows_span(job, kv_head, first, &row0, &lanes);
+  float qt[dim][LANES], acc[dim][LANES], kr[dim], vr[dim];
+  float m[LANES], l[LANES];
+  int64_t pos[LANES];
+  int64_t max_pos = INT64_MIN, min_pos = INT64_MAX;
+  for (int t = 0; t < LANES; t++) {
+    int live = t < lanes;
+    int64_t row = row0 + t;
+    pos[t] = live ? job->q_pos[(first + t) % q_len] : INT64_MIN / 2;
+    m[t] = live ? job->m[row] : -INFINITY;
+    l[t] = live ? job->l[row] : 0.0f;
+    for (int64_t e = 0; e < dim; e++) {
+      qt[e][t] = live ? job->q[row * dim + e] * job->scale : 0.0f;
+      acc[e][t] = live ? job->acc[row * dim + e] : 0.0f;
+    }
+    if (live && pos[t] > max_pos) max_pos = pos[t];
+    if (live && pos[t] < min_pos) min_pos = pos[t];
+  }
+  for (int64_t j = 0; j < job->n_keys; j++) {
+    const int64_t kp = job->key_pos0 + j;
+    if (kp > max_pos) break; /* keys come in position order: none later is visible */
+    if (window > 0 && kp <= min_pos - window) continue; /* out of every lane's window */
+    load_row(job->k, job->dtype, kv_head * job->k_head_stride + j * job->k_row_stride, dim, kr);
+    load_row(job->v, job->dtype, kv_head * job->v_head_stride + j * job->v_row_stride, dim, vr);
+    float part[PARTS][LANES], s[LANES], mx[LANES], p[LANES], alpha[LANES];
+    int visible[LANES];
+    for (int i = 0; i < PARTS; i++)
+      for (int t = 0; t < LANES; t++) part[i][t] = 0.0f;
+    for (int64_t c = 0; c < dim; c += PARTS) {
+      const int64_t width = dim - c < PARTS ? dim - c : PARTS;
+      for (int64_t i = 0; i < width; i++) {
+        const float ke = kr[c + i];
+        const float *qe = qt[c + i];
+        float *sum = part[i];
+        for (int t = 0; t < LANES; t++) sum[t] = fmaf(qe[t], ke, sum[t]); /* q * k */
+      }
+    }
+    for (int width = PARTS / 2; width >= 1; width /= 2)
+      for (int i = 0; i < width; i++)
+        for (int t = 0; t < LANES; t++) part[i][t] = part[i][t] + part[i + width][t];
+    int changed = 0;
+    for (int t = 0; t < LANES; t++) {
+      s[t] = part[0][t];
+      visible[t] = is_visible(kp, pos[t], window);
+      float x = visible[t] ? s[t] : -INFINITY;
+      mx[t] = x > m[t] ? x : m[t];
+      changed |= mx[t] != m[t];
+    }
+    for (int t = 0; t < LANES; t++) {
+      float e = exp_nonpositive(visible[t] ? s[t] - mx[t] : 0.0f);
+      p[t] = visible[t] ? e : 0.0f;
+    }
+    if (changed) {
+      for (int t = 0; t < LANES; t++) {
+        float e = exp_nonpositive(mx[t] == m[t] ? 0.0f : m[t] - mx[t]);
+        alpha[t] = mx[t] == m[t] ? 1.0f : e;
+        l[t] = l[t] * alpha[t];
+      }
+      for (int64_t e = 0; e < dim; e++)
+        for (int t = 0; t < LANES; t++) acc[e][t] = acc[e][t] * alpha[t];
+    }
+    for (int t = 0; t < LANES; t++) {
+      l[t] = l[t] + p[t];
+      m[t] = mx[t];
+    }
+    for (int64_t e = 0; e < dim; e++) {
+      const float ve = vr[e];
+      for (int t = 0; t < LANES; t++) acc[e][t] = fmaf(p[t], ve, acc[e][t]);
+    }
+  }
+  for (int64_t t = 0; t < lanes; t++) {
+    int64_t row = row0 + t;
+    job->m[row] = m[t];
+    job->l[row] = l[t];
+    for (int64_t e = 0; e < dim; e++) job->acc[row * dim + e] = acc[e][t];
+  }
+}
+
+/* Few rows (a decode step): one row at a time, vectorised over dim, KEY_BLOCK keys
+ * scored before their softmax updates run in order. The same arithmetic per (row, key) as
+ * fold_tile: the same partial sums and tree, the same update. */
+#define KEY_BLOCK 16
+static void fold_rows(const Job *job, int64_t kv_head, int64_t first) {
+  const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
+  int64_t row0, lanes;
+  rows_span(job, kv_head, first, &row0, &lanes);
+  const int64_t padded = (dim + PARTS - 1) / PARTS * PARTS;
+  float qs[lanes][padded], kt[padded][KEY_BLOCK], vr[KEY_BLOCK][dim], kr[padded];
+  float *m = job->m + row0, *l = job->l + row0, *acc = job->acc + row0 * dim;
+  int64_t pos[LANES], max_pos = INT64_MIN, min_pos = INT64_MAX;
+  for (int64_t t = 0; t < lanes; t++) {
+    pos[t] = job->q_pos[(first + t) % q_len];
+    if (pos[t] > max_pos) max_pos = pos[t];
+    if (pos[t] < min_pos) min_pos = pos[t];
+    for (int64_t e = 0; e < padded; e++)
+      qs[t][e] = e < dim ? job->q[(row0 + t) * dim + e] * job->scale : 0.0f;
+  }
+  for (int64_t e = 0; e < padded; e++)
+    for (int b = 0; b < KEY_BLOCK; b++) kt[e][b] = 0.0f;
+  int64_t j0 = 0;
+  if (window > 0 && min_pos - window + 1 > job->key_pos0) j0 = min_pos - window + 1 - job->key_pos0;
+  int64_t j_end = max_pos - job->key_pos0 + 1;
+  if (j_end > job->n_keys) j_end = job->n_keys;
+  for (int64_t jb = j0; jb < j_end; jb += KEY_BLOCK) {
+    const int64_t count = j_end - jb < KEY_BLOCK ? j_end - jb : KEY_BLOCK;
+    for (int64_t b = 0; b < count; b++) {
+      const int64_t j = jb + b;
+      load_row(job->k, job->dtype, kv_head * job->k_head_stride + j * job->k_row_stride, dim, kr);
+      for (int64_t e = 0; e < dim; e++) kt[e][b] = kr[e]; /* keys side by side */
+      load_row(job->v, job->dtype, kv_head * job->v_head_stride + j * job->v_row_stride, dim,
+               vr[b]);
+    }
+    for (int64_t t = 0; t < lanes; t++) {
+      float s[KEY_BLOCK], mx[KEY_BLOCK], p[KEY_BLOCK], alpha[KEY_BLOCK];
+      float part[PARTS][KEY_BLOCK];
+      int visible[KEY_BLOCK];
+      const float *qrow = qs[t];
+      for (int i = 0; i < PARTS; i++)
+        for (int b = 0; b < KEY_BLOCK; b++) part[i][b] = 0.0f;
+      for (int64_t c = 0; c < padded; c += PARTS)
+        for (int i = 0; i < PARTS; i++) {
+          const float qe = qrow[c + i];
+          const float *ke = kt[c + i];
+          float *sum = part[i];
+          for (int b = 0; b < KEY_BLOCK; b++) sum[b] = fmaf(qe, ke[b], sum[b]);
+        }
+      for (int width = PARTS / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++)
+          for (int b = 0; b < KEY_BLOCK; b++) part[i][b] = part[i][b] + part[i + width][b];
+      for (int b = 0; b < KEY_BLOCK; b++) s[b] = part[0][b];
+      float running = m[t];
+      for (int64_t b = 0; b < KEY_BLOCK; b++) {
+        visible[b] = b < count && is_visible(job->key_pos0 + jb + b, pos[t], window);
+        const float before = running;
+        if (visible[b] && s[b] > running) running = s[b];
+        mx[b] = running;
+        alpha[b] = before; /* the max before this key, turned into alpha below */
+      }
+      for (int64_t b = 0; b < KEY_BLOCK; b++) {
+        float e = exp_nonpositive(visible[b] ? s[b] - mx[b] : 0.0f);
+        p[b] = visible[b] ? e : 0.0f;
+        float a = exp_nonpositive(mx[b] == alpha[b] ? 0.0f : alpha[b] - mx[b]);
+        alpha[b] = mx[b] == alpha[b] ? 1.0f : a;
+      }
+      float *a = acc + t * dim;
+      float sum = l[t];
+      for (int64_t b = 0; b < count; b++) {
+        if (!visible[b]) continue;
+        if (alpha[b] != 1.0f) {
+          sum = sum * alpha[b];
+          for (int64_t e = 0; e < dim; e++) a[e] = a[e] * alpha[b];
+        }
+        sum = sum + p[b];
+        const float pb = p[b], *v = vr[b];
+        for (int64_t e = 0; e < dim; e++) a[e] = fmaf(pb, v[e], a[e]);
+      }
+      l[t] = sum;
+      m[t] = running;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+/* The same functions with AVX-512 registers: one lane per row (fold_tile) or per key
+ * (fold_rows), each lane the portable code's operations (fused multiply-adds, adds,
+ * products, max, the same exp), so the bits are the portable code's. */
+static inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 t = _mm512_fmadd_ps(clamped, _mm512_set1_ps(1.44269504088896341f), magic);
+  __m512 n = _mm512_sub_ps(t, magic);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), clamped);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r2 = _mm512_mul_ps(r, r);
+  __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 out = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(under, out, _mm512_setzero_ps());
+}
+
+/* The dot products of PARTS partial sums and their tree, lane by lane: lanes[c + i] holds
+ * element c + i of each lane's vector, other[c + i] the element it is multiplied by. */
+static inline __m512 dot16(const float *lanes, const float *other, int64_t dim, int other_is_lanes) {
+  __m512 part[PARTS];
+  for (int i = 0; i < PARTS; i++) part[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < dim; c += PARTS) {
+    const int64_t width = dim - c < PARTS ? dim - c : PARTS;
+    for (int64_t i = 0; i < width; i++) {
+      __m512 a = _mm512_loadu_ps(lanes + (c + i) * LANES);
+      __m512 b = other_is_lanes ? _mm512_loadu_ps(other + (c + i) * LANES)
+                                : _mm512_set1_ps(other[c + i]);
+      part[i] = _mm512_fmadd_ps(a, b, part[i]);
+    }
+  }
+  for (int width = PARTS / 2; width >= 1; width /= 2)
+    for (int i = 0; i < width; i++) part[i] = _mm512_add_ps(part[i], part[i + width]);
+  return part[0];
+}
+
+static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
+  const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
+  int64_t row0, lanes;
+  rows_span(job, kv_head, first, &row0, &lanes);
+  float qt[dim * LANES], acc[dim * LANES], kr[dim], vr[dim], buf[LANES];
+  int64_t pos[LANES], max_pos = INT64_MIN, min_pos = INT64_MAX;
+  for (int t = 0; t < LANES; t++) {
+    int live = t < lanes;
+    int64_t row = row0 + t;
+    pos[t] = live ? job->q_pos[(first + t) % q_len] : INT64_MIN / 2;
+    for (int64_t e = 0; e < dim; e++) {
+      qt[e * LANES + t] = live ? job->q[row * dim + e] * job->scale : 0.0f;
+      acc[e * LANES + t] = live ? job->acc[row * dim + e] : 0.0f;
+    }
+    if (live && pos[t] > max_pos) max_pos = pos[t];
+    if (live && pos[t] < min_pos) min_pos = pos[t];
+  }
+  for (int t = 0; t < LANES; t++) buf[t] = t < lanes ? job->m[row0 + t] : -INFINITY;
+  __m512 m = _mm512_loadu_ps(buf);
+  for (int t = 0; t < LANES; t++) buf[t] = t < lanes ? job->l[row0 + t] : 0.0f;
+  __m512 l = _mm512_loadu_ps(buf);
+  const __m512 minus_inf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+  for (int64_t j = 0; j < job->n_keys; j++) {
+    const int64_t kp = job->key_pos0 + j;
+    if (kp > max_pos) break;
+    if (window > 0 && kp <= min_pos - window) continue;
+    load_row(job->k, job->dtype, kv_head * job->k_head_stride + j * job->k_row_stride, dim, kr);
+    load_row(job->v, job->dtype, kv_head * job->v_head_stride + j * job->v_row_stride, dim, vr);
+    __m512 s = dot16(qt, kr, dim, 0);
+    __mmask16 visible = 0;
+    for (int t = 0; t < LANES; t++) visible |= (__mmask16)(is_visible(kp, pos[t], window) << t);
+    __m512 mx = _mm512_max_ps(_mm512_mask_blend_ps(visible, minus_inf, s), m);
+    __mmask16 changed = _mm512_cmp_ps_mask(mx, m, _CMP_NEQ_UQ);
+    __m512 p = _mm512_maskz_mov_ps(
+        visible, exp_nonpositive16(_mm512_maskz_sub_ps(visible, s, mx)));
+    if (changed) {
+      __m512 a = exp_nonpositive16(_mm512_maskz_sub_ps(changed, m, mx));
+      __m512 alpha = _mm512_mask_blend_ps(changed, _mm512_set1_ps(1.0f), a);
+      l = _mm512_mul_ps(l, alpha);
+      for (int64_t e = 0; e < dim; e++)
+        _mm512_storeu_ps(acc + e * LANES, _mm512_mul_ps(_mm512_loadu_ps(acc + e * LANES), alpha));
+    }
+    l = _mm512_add_ps(l, p);
+    m = mx;
+    for (int64_t e = 0; e < dim; e++)
+      _mm512_storeu_ps(acc + e * LANES, _mm512_fmadd_ps(p, _mm512_set1_ps(vr[e]),
+                                                        _mm512_loadu_ps(acc + e * LANES)));
+  }
+  float ms[LANES], ls[LANES];
+  _mm512_storeu_ps(ms, m);
+  _mm512_storeu_ps(ls, l);
+  (void)zero;
+  for (int64_t t = 0; t < lanes; t++) {
+    int64_t row = row0 + t;
+    job->m[row] = ms[t];
+    job->l[row] = ls[t];
+    for (int64_t e = 0; e < dim; e++) job->acc[row * dim + e] = acc[e * LANES + t];
+  }
+}
+
+/* One row's dot product with a key, vectorised over dim: the PARTS partial sums are the
+ * lanes of one register, and the tree halves it (lane i gets lane i + width added). */
+static inline float dot_lanes(const float *q, const float *k, int64_t dim) {
+  __m512 part = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + PARTS <= dim; c += PARTS)
+    part = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), part);
+  if (c < dim) {
+    __mmask16 tail = (__mmask16)((1u << (dim - c)) - 1);
+    part = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + c),
+                                 _mm512_maskz_loadu_ps(tail, k + c), part, tail);
+  }
+  part = _mm512_add_ps(part, _mm512_shuffle_f32x4(part, part, _MM_SHUFFLE(3, 2, 3, 2)));
+  part = _mm512_add_ps(part, _mm512_shuffle_f32x4(part, part, _MM_SHUFFLE(0, 0, 0, 1)));
+  part = _mm512_add_ps(part, _mm512_permute_ps(part, _MM_SHUFFLE(1, 0, 3, 2)));
+  part = _mm512_add_ps(part, _mm512_permute_ps(part, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_cvtss_f32(part);
+}
+
+static void fold_rows_avx512(const Job *job, int64_t kv_head, int64_t first) {
+  const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
+  int64_t row0, lanes;
+  rows_span(job, kv_head, first, &row0, &lanes);
+  float qs[lanes][dim], kbuf[KEY_BLOCK][dim], vbuf[KEY_BLOCK][dim];
+  const float *kr[KEY_BLOCK], *vr[KEY_BLOCK];
+  float *m = job->m + row0, *l = job->l + row0, *acc = job->acc + row0 * dim;
+  int64_t pos[LANES], max_pos = INT64_MIN, min_pos = INT64_MAX;
+  for (int64_t t = 0; t < lanes; t++) {
+    pos[t] = job->q_pos[(first + t) % q_len];
+    if (pos[t] > max_pos) max_pos = pos[t];
+    if (pos[t] < min_pos) min_pos = pos[t];
+    for (int64_t e = 0; e < dim; e++) qs[t][e] = job->q[(row0 + t) * dim + e] * job->scale;
+  }
+  int64_t j0 = 0;
+  if (window > 0 && min_pos - window + 1 > job->key_pos0) j0 = min_pos - window + 1 - job->key_pos0;
+  int64_t j_end = max_pos - job->key_pos0 + 1;
+  if (j_end > job->n_keys) j_end = job->n_keys;
+  for (int64_t jb = j0; jb < j_end; jb += KEY_BLOCK) {
+    const int64_t count = j_end - jb < KEY_BLOCK ? j_end - jb : KEY_BLOCK;
+    for (int64_t b = 0; b < count; b++) {
+      const int64_t j = jb + b;
+      const int64_t k_at = kv_head * job->k_head_stride + j * job->k_row_stride;
+      const int64_t v_at = kv_head * job->v_head_stride + j * job->v_row_stride;
+      if (job->dtype == 0) {
+        kr[b] = (const float *)job->k + k_at;
+        vr[b] = (const float *)job->v + v_at;
+      } else {
+        load_row(job->k, job->dtype, k_at, dim, kbuf[b]);
+        load_row(job->v, job->dtype, v_at, dim, vbuf[b]);
+        kr[b] = kbuf[b];
+        vr[b] = vbuf[b];
+      }
+    }
+    for (int64_t t = 0; t < lanes; t++) {
+      float s[KEY_BLOCK], mx[KEY_BLOCK], before[KEY_BLOCK], p[KEY_BLOCK], alpha[KEY_BLOCK];
+      int visible[KEY_BLOCK];
+      float running = m[t];
+      for (int64_t b = 0; b < KEY_BLOCK; b++) {
+        visible[b] = b < count && is_visible(job->key_pos0 + jb + b, pos[t], window);
+        s[b] = visible[b] ? dot_lanes(qs[t], kr[b], dim) : 0.0f;
+        before[b] = running;
+        if (visible[b] && s[b] > running) running = s[b];
+        mx[b] = running;
+      }
+      __m512 vs = _mm512_loadu_ps(s), vmx = _mm512_loadu_ps(mx), vb = _mm512_loadu_ps(before);
+      __mmask16 vis = 0;
+      for (int b = 0; b < KEY_BLOCK; b++) vis |= (__mmask16)(visible[b] << b);
+      __mmask16 changed = _mm512_cmp_ps_mask(vmx, vb, _CMP_NEQ_UQ);
+      _mm512_storeu_ps(p, _mm512_maskz_mov_ps(vis, exp_nonpositive16(_mm512_maskz_sub_ps(vis, vs, vmx))));
+      __m512 a = exp_nonpositive16(_mm512_maskz_sub_ps(changed, vb, vmx));
+      _mm512_storeu_ps(alpha, _mm512_mask_blend_ps(changed, _mm512_set1_ps(1.0f), a));
+      float *out = acc + t * dim;
+      float sum = l[t];
+      for (int64_t b = 0; b < count; b++) {
+        if (!visible[b]) continue;
+        int64_t e = 0;
+        if (alpha[b] != 1.0f) {
+          sum = sum * alpha[b];
+          const __m512 va = _mm512_set1_ps(alpha[b]);
+          for (e = 0; e + 16 <= dim; e += 16)
+            _mm512_storeu_ps(out + e, _mm512_mul_ps(_mm512_loadu_ps(out + e), va));
+          for (; e < dim; e++) out[e] = out[e] * alpha[b];
+        }
+        sum = sum + p[b];
+        const __m512 vp = _mm512_set1_ps(p[b]);
+        const float *v = vr[b];
+        for (e = 0; e + 16 <= dim; e += 16)
+          _mm512_storeu_ps(out + e, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + e),
+                                                    _mm512_loadu_ps(out + e)));
+        for (; e < dim; e++) out[e] = fmaf(p[b], v[e], out[e]);
+      }
+      l[t] = sum;
+      m[t] = running;
+    }
+  }
+}
+#endif
+
+static void fold_unit(Job *job, int64_t unit) {
+  const int64_t kv_head = unit / job->tiles_per_head;
+  const int64_t first = (unit % job->tiles_per_head) * LANES;
+  const int64_t rows = (job->heads / job->kv_heads) * job->q_len;
+#if defined(__AVX512F__)
+  if (rows - first < FEW_ROWS)
+    fold_rows_avx512(job, kv_head, first);
+  else
+    fold_tile_avx512(job, kv_head, first);
+#else
+  if (rows - first < FEW_ROWS)
+    fold_rows(job, kv_head, first);
+  else
+    fold_tile(job, kv_head, first);
+#endif
+}
+
+static void *worker(void *arg) {
+  Job *job = (Job *)arg;
+  for (;;) {
+    pthread_mutex_lock(&job->lock);
+    int64_t unit = job->next_unit++;
+    pthread_mutex_unlock(&job->lock);
+    if (unit >= job->n_units) return NULL;
+    fold_unit(job, unit);
+  }
+}
+
+/* Fold keys [0, n_keys) (at positions key_pos0 + j) into every query row's state. */
+void kvchat_attention_fold(const float *q, int64_t heads, int64_t q_len, int64_t dim,
+                           int64_t kv_heads, const int64_t *q_pos, float scale, int64_t window,
+                           const void *k, const void *v, int32_t dtype, int64_t k_head_stride,
+                           int64_t k_row_stride, int64_t v_head_stride, int64_t v_row_stride,
+                           int64_t n_keys, int64_t key_pos0, float *m, float *l, float *acc,
+                           int32_t threads) {
+  Job job = {q, heads, q_len, dim, kv_heads, q_pos, scale, window, k, v, dtype,
+             k_head_stride, k_row_stride, v_head_stride, v_row_stride, n_keys, key_pos0,
+             m, l, acc, 0, 0, 0};
+  const int64_t rows = (heads / kv_heads) * q_len;
+  job.tiles_per_head = (rows + LANES - 1) / LANES;
+  job.n_units = job.tiles_per_head * kv_heads;
+  /* Threads only where the work is worth starting them (about a millisecond). */
+  const double work = (double)heads * q_len * (double)n_keys * (double)dim;
+  int64_t n_threads = threads;
+  if (work < 4.0e6) n_threads = 1;
+  if (n_threads > job.n_units) n_threads = job.n_units;
+  if (n_threads > 64) n_threads = 64;
+  if (n_threads <= 1) {
+    for (int64_t unit = 0; unit < job.n_units; unit++) fold_unit(&job, unit);
+    return;
+  }
+  pthread_mutex_init(&job.lock, NULL);
+  pthread_t ids[64];
+  int64_t started = 0;
+  for (; started < n_threads - 1; started++)
+    if (pthread_create(&ids[started], NULL, worker, &job) != 0) break;
+  worker(&job);
+  for (int64_t i = 0; i < started; i++) pthread_join(ids[i], NULL);
+  pthread_mutex_destroy(&job.lock);
+}
+
+int kvchat_attention_lanes(void) { return LANES; }
+
+/* A fresh state: max -inf, sum and weighted values 0. */
+void kvchat_attention_init(float *m, float *l, float *acc, int64_t rows, int64_t dim) {
+  for (int64_t r = 0; r < rows; r++) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  memset(acc, 0, (size_t)(rows * dim) * sizeof(float));
+}
+
+/* The output acc / sum, laid out [q_len][heads][dim] (transformers' attention output). */
+void kvchat_attention_finish(const float *l, const float *acc, int64_t heads, int64_t q_len,
+                             int64_t dim, float *out) {
+  for (int64_t h = 0; h < heads; h++)
+    for (int64_t i = 0; i < q_len; i++) {
+      const int64_t row = h * q_len + i;
+      const float sum = l[row];
+      float *dst = out + (i * heads + h) * dim;
+      for (int64_t e = 0; e < dim; e++) dst[e] = acc[row * dim + e] / sum;
+    }
+}

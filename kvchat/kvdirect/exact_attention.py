@@ -1,0 +1,243 @@
+"""Attention whose bits do not depend on how the keys or the rows were split.
+
+The promise that a ceiling changes memory and never the answer needs an attention sum
+taken in one order on every path: K/V handed over whole, read straight into a buffer, or
+streamed window by window from disk, under the standard cache or the bounded one, in a
+decode step or a prefill chunk. torch's kernels do not give that: SDPA's blocks depend on
+the key count, merging windows by their log-sum-exp rounds differently, and even an
+elementwise ``exp`` takes a vector or a scalar path by where an element sits.
+
+So kvchat owns the sum (``exact_attention.c``): each query row folds the keys in position
+order, one at a time, into a running (max, sum, weighted values) state, with its own
+``exp`` and no reassociation. A row's bits then depend only on its query and the keys it
+sees, never on the call they came in. :class:`AttentionState` carries that state across
+calls: fold the cold windows, then the hot rows, then finish, and the output equals one
+call over everything, ``torch.equal``.
+
+The kernel is plain C, compiled once per machine with the C compiler on PATH (``$CC``,
+``cc``, ``gcc`` or ``clang``; well under a second) into the user cache and loaded with
+ctypes. Without a compiler, off the CPU, or with ``KVCHAT_EXACT_ATTENTION=0``, attention is
+torch's (:func:`available` says which), and a streamed ceiling then promises the same
+greedy tokens rather than the same bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("exact_attention.c")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+__all__ = ["AttentionState", "available", "exact_attention", "usable", "window_of"]
+
+_library: ctypes.CDLL | None | bool = False  # False: not looked for yet
+
+
+def _enabled() -> bool:
+    flag = os.environ.get("KVCHAT_EXACT_ATTENTION", "1").strip().lower()
+    return flag not in {"0", "off", "false", "no"}
+
+
+def _compiler() -> str | None:
+    chosen = os.environ.get("CC")
+    if chosen:
+        return shutil.which(chosen)
+    return next((f for c in ("cc", "gcc", "clang") if (f := shutil.which(c))), None)
+
+
+def _machine_key(cc: str) -> str:
+    """Source, compiler and this CPU's features: -march=native builds for this processor."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(f"{cc}|{' '.join(_FLAGS)}|{platform.machine()}|{sys.platform}".encode())
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                digest.update(line.encode())
+                break
+    return digest.hexdigest()[:16]
+
+
+def _build() -> ctypes.CDLL | None:
+    from kvchat.paths import cache_dir
+
+    cc = _compiler()
+    if cc is None:
+        return None
+    target = cache_dir() / "native" / f"exact_attention-{_machine_key(cc)}.so"
+    if not target.exists():
+        temporary = target.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            done = subprocess.run(
+                [cc, *_FLAGS, str(SOURCE), "-o", str(temporary), "-lm", "-pthread"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=120,
+            )
+            if done.returncode != 0 or not temporary.exists():
+                return None
+            os.replace(temporary, target)  # two processes never load half a file
+        except (OSError, subprocess.SubprocessError):
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError:
+        return None
+    fold = library.kvchat_attention_fold
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fold.argtypes = [
+        ptr, i64, i64, i64, i64, ptr, ctypes.c_float, i64,
+        ptr, ptr, ctypes.c_int32, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int32,
+    ]  # fmt: skip
+    fold.restype = None
+    library.kvchat_attention_init.argtypes = [ptr, ptr, ptr, i64, i64]
+    library.kvchat_attention_init.restype = None
+    library.kvchat_attention_finish.argtypes = [ptr, ptr, i64, i64, i64, ptr]
+    library.kvchat_attention_finish.restype = None
+    return library
+
+
+def _kernel() -> ctypes.CDLL | None:
+    global _library
+    if _library is False:
+        _library = _build() if _enabled() else None
+    return _library or None
+
+
+def available(device: torch.device | str = "cpu") -> bool:
+    """Whether attention on ``device`` runs kvchat's exact kernel (builds it if need be)."""
+    return torch.device(device).type == "cpu" and _kernel() is not None
+
+
+class AttentionState:
+    """The running state of every query row of one attention call, folded key by key.
+
+    ``query`` is ``[1, heads, q_len, dim]``; query ``i`` sits at position ``q_pos0 + i`` in
+    the key coordinates the folds use (keys ``[key_pos0, key_pos0 + n)``), and sees the keys
+    at or before it (and, with ``window``, after ``position - window``)."""
+
+    def __init__(
+        self, query: torch.Tensor, scaling: float, q_pos0: int, window: int | None = None
+    ) -> None:
+        batch, heads, q_len, dim = query.shape
+        if batch != 1:
+            raise ValueError("exact attention takes one sequence at a time")
+        self.shape = (heads, q_len, dim)
+        self.out_dtype = query.dtype
+        self.query = query[0].to(torch.float32).contiguous()
+        self.positions = torch.arange(q_pos0, q_pos0 + q_len, dtype=torch.int64)
+        self.scaling = float(scaling)
+        self.window = int(window or 0)
+        self.kernel = _kernel()
+        self.max = torch.empty(heads * q_len)
+        self.sum = torch.empty(heads * q_len)
+        self.acc = torch.empty(heads * q_len, dim)
+        self.kernel.kvchat_attention_init(
+            self.max.data_ptr(), self.sum.data_ptr(), self.acc.data_ptr(), heads * q_len, dim
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """The state's bytes and the query's float copy (scratch while a call runs)."""
+        return 4 * (self.query.numel() + self.max.numel() + self.sum.numel() + self.acc.numel())
+
+    def fold(self, key: torch.Tensor, value: torch.Tensor, key_pos0: int) -> None:
+        """Fold ``key``/``value`` (``[1, kv_heads, n, dim]``, any row and head strides) in."""
+        n = key.shape[-2]
+        if n == 0:
+            return
+        if key.dtype not in _DTYPES or key.dtype != value.dtype:
+            key, value = key.float(), value.float()
+        if key.stride(-1) != 1:
+            key = key.contiguous()
+        if value.stride(-1) != 1:
+            value = value.contiguous()
+        heads, q_len, dim = self.shape
+        kv_heads = key.shape[1]
+        self.kernel.kvchat_attention_fold(
+            self.query.data_ptr(), heads, q_len, dim, kv_heads, self.positions.data_ptr(),
+            self.scaling, self.window, key.data_ptr(), value.data_ptr(), _DTYPES[key.dtype],
+            key.stride(1), key.stride(2), value.stride(1), value.stride(2), n, key_pos0,
+            self.max.data_ptr(), self.sum.data_ptr(), self.acc.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+    def finish(self) -> torch.Tensor:
+        """The attention output, ``[1, q_len, heads, dim]`` in the query's dtype (the layout
+        transformers' attention functions return)."""
+        heads, q_len, dim = self.shape
+        out = torch.empty(1, q_len, heads, dim)
+        self.kernel.kvchat_attention_finish(
+            self.sum.data_ptr(), self.acc.data_ptr(), heads, q_len, dim, out.data_ptr()
+        )
+        return out if self.out_dtype == torch.float32 else out.to(self.out_dtype)
+
+
+def exact_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of the last ``q_len`` positions over ``key``/``value`` (the new rows
+    last, as a cache returns them), ``[1, q_len, heads, dim]``."""
+    n = key.shape[-2]
+    state = AttentionState(query, scaling, n - query.shape[-2], window)
+    state.fold(key, value, 0)
+    return state.finish()
+
+
+def _positional(mask: torch.Tensor, q_len: int, n: int, window: int | None) -> bool:
+    """Whether ``mask`` ([1, 1, q_len, n], bool or additive) shows exactly the causal (and
+    sliding) pattern :func:`exact_attention` computes from positions."""
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or mask.shape[-1] != n:
+        return False
+    rows = torch.arange(q_len, device=mask.device).unsqueeze(1) + (n - q_len)
+    cols = torch.arange(n, device=mask.device).unsqueeze(0)
+    expected = cols <= rows
+    if window:
+        expected &= cols > rows - window
+    visible = mask[0, 0, -q_len:] if mask.dtype == torch.bool else mask[0, 0, -q_len:] == 0
+    return bool(torch.equal(visible, expected))
+
+
+def usable(
+    module: object,
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    n_keys: int,
+    window: int | None,
+) -> bool:
+    """Whether this call can run the exact kernel: one sequence on the CPU, no logit soft
+    cap, no dropout, and a mask (if any) that is the causal (sliding ``window``) pattern
+    over ``n_keys`` keys."""
+    if query.shape[0] != 1 or query.device.type != "cpu" or _kernel() is None:
+        return False
+    if getattr(module, "attn_logit_softcapping", None) or getattr(module, "training", False):
+        return False
+    if attention_mask is None:
+        return True
+    return _positional(attention_mask, query.shape[-2], n_keys, window)
+
+
+def window_of(module: object, kwargs: dict) -> int | None:
+    """The sliding window a layer's attention call asks for (Mistral passes its config's;
+    Gemma 3 and Qwen2 their layer's), None for full attention."""
+    if "sliding_window" in kwargs:
+        return kwargs["sliding_window"]
+    return getattr(module, "sliding_window", None)

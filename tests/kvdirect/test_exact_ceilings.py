@@ -1,0 +1,102 @@
+"""A ceiling changes memory, never the answer: real models, long multi-turn chats.
+
+For each weights mode, one three-turn conversation over a ~600-token context runs with no
+ceiling (the reference for bits) and under ceilings that stream attention (1-4 MB for the
+default model) and one that does not. The logits of every forward call are ``torch.equal``
+to the unbounded run's, and the greedy tokens equal ``--cache standard``'s. The same on
+Gemma 3 270M (sliding and global layers), as plain completion.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvchat.chat.generate as generate_module
+from kvchat.chat.session import ChatSession
+from kvchat.chat.settings import CacheSettings, SamplingSettings
+from kvchat.kvdirect import exact_attention
+from tests.kvdirect.test_disk_tier import long_text
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not exact_attention.available(), reason="no C compiler"),
+]
+
+PROMPTS = (
+    long_text(40) + " Which shelf holds note 7, and what was moved there?",
+    "Tell me more about the kettle.",
+    "Now list every note about the violin.",
+)
+REPLY = SamplingSettings(max_new_tokens=40)
+
+
+def converse(loaded, cache: CacheSettings, tmp_path: Path, monkeypatch, prompts=PROMPTS):
+    """Replies (token ids per turn), the logits of every forward call, and the plans seen."""
+    seen: list[torch.Tensor] = []
+    original = generate_module.forward_ids
+
+    def recording(*args, **kwargs):
+        logits = original(*args, **kwargs)
+        seen.append(logits.detach().clone())
+        return logits
+
+    monkeypatch.setattr(generate_module, "forward_ids", recording)
+    session = ChatSession(loaded, cache=cache, spill_root=tmp_path)
+    try:
+        replies = [session.send(p, REPLY) for p in prompts]
+        plans = session.plan.describe() if session.plan is not None else "standard"
+    finally:
+        session.close()
+        monkeypatch.setattr(generate_module, "forward_ids", original)
+    for r in replies:
+        assert r.error is None, r.error
+    return [r.tokens for r in replies], seen, plans
+
+
+def assert_every_ceiling_exact(loaded, ceilings, tmp_path, monkeypatch, prompts=PROMPTS):
+    standard, _, _ = converse(
+        loaded, CacheSettings(kind="standard"), tmp_path / "s", monkeypatch, prompts
+    )
+    unbounded, reference, _ = converse(
+        loaded, CacheSettings(), tmp_path / "u", monkeypatch, prompts
+    )
+    assert unbounded == standard
+    assert sum(len(t) for t in standard) >= 60  # replies long enough for a late flip to show
+    streamed = 0
+    for ceiling in ceilings:
+        tokens, logits, plan = converse(
+            loaded, CacheSettings(max_mem=ceiling), tmp_path / str(ceiling), monkeypatch, prompts
+        )
+        streamed += "streamed" in plan
+        assert tokens == standard, f"{ceiling} B ({plan}): greedy tokens differ"
+        assert len(logits) == len(reference)
+        for i, (a, b) in enumerate(zip(logits, reference)):
+            assert torch.equal(a, b), f"{ceiling} B ({plan}): forward call {i} differs"
+    assert streamed >= 1  # at least one ceiling took the streamed path
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def smollm2_quantized(request, smollm2_dir: Path):
+    from kvchat.models.load import load
+
+    return load(str(smollm2_dir), weights=request.param)
+
+
+def test_default_model_quantized_every_ceiling(smollm2_quantized, tmp_path, monkeypatch):
+    assert_every_ceiling_exact(
+        smollm2_quantized, [4_000_000, 2_000_000, 1_000_000, 8_000_000], tmp_path, monkeypatch
+    )
+
+
+def test_default_model_float_weights_every_ceiling(smollm2_loaded, tmp_path, monkeypatch):
+    assert_every_ceiling_exact(smollm2_loaded, [3_000_000, 1_500_000], tmp_path, monkeypatch)
+
+
+def test_gemma3_270m_every_ceiling(gemma270m_loaded, tmp_path, monkeypatch):
+    prompts = (long_text(60), " Note 3 was", " and then")
+    assert_every_ceiling_exact(
+        gemma270m_loaded, [3_000_000, 1_500_000], tmp_path, monkeypatch, prompts
+    )
