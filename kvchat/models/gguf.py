@@ -106,7 +106,9 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
     with quiet_transformers(), _gguf_progress(say):
         say("reading the GGUF tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, **rope_overrides(gguf)
+        )
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         with parameters_on_meta():
@@ -123,6 +125,48 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
                 model.generation_config.save_pretrained(out)
         tokenizer.save_pretrained(out)
     del model
+
+
+def _metadata(reader: Any, key: str) -> Any:
+    """A GGUF metadata value (str, number), or None when the file does not have it."""
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    value = field.parts[field.data[0]]
+    if field.types and field.types[0].name == "STRING":
+        return bytes(value).decode("utf-8")
+    return value.tolist()[0] if hasattr(value, "tolist") else value
+
+
+def rope_overrides(gguf: Path) -> dict[str, Any]:
+    """``rope_parameters`` for the rope settings llama.cpp reads from ``gguf`` that
+    transformers' GGUF loader drops: the scaling type and factor (Gemma 3 4B and larger run
+    their global layers with linear x8 scaling; without it the converted model is another
+    model), YaRN's original context, and Gemma 3's sliding layers' own base frequency.
+    Empty when the file has none of them."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf))
+    arch = _metadata(reader, "general.architecture")
+    kind = _metadata(reader, f"{arch}.rope.scaling.type")
+    factor = _metadata(reader, f"{arch}.rope.scaling.factor")
+    base = _metadata(reader, f"{arch}.rope.freq_base")
+    scaled: dict[str, Any] = {"rope_type": "default"}
+    if kind in ("linear", "yarn") and factor is not None and float(factor) != 1.0:
+        scaled = {"rope_type": kind, "factor": float(factor)}
+        original = _metadata(reader, f"{arch}.rope.scaling.original_context_length")
+        if kind == "yarn" and original:
+            scaled["original_max_position_embeddings"] = int(original)
+    if arch == "gemma3":
+        swa_base = _metadata(reader, f"{arch}.rope.freq_base_swa")
+        if swa_base is None and scaled["rope_type"] == "default":
+            return {}
+        full = {**scaled, "rope_theta": float(base if base is not None else 1_000_000.0)}
+        sliding = {"rope_type": "default", "rope_theta": float(swa_base or 10_000.0)}
+        return {"rope_parameters": {"full_attention": full, "sliding_attention": sliding}}
+    if scaled["rope_type"] == "default":
+        return {}
+    return {"rope_parameters": {**scaled, "rope_theta": float(base if base is not None else 1e4)}}
 
 
 class _NotStreamable(Exception):
