@@ -98,8 +98,13 @@ def test_memory_line_and_standard_cache_give_the_same_tokens(smollm2_dir):
 
 
 @pytest.mark.slow
-def test_ceiling_too_small_is_one_clear_line(smollm2_dir):
-    out = kvchat("run", "--model", str(smollm2_dir), "--max-mem", "100KB", "--prompt", "Hi there")
+def test_ceiling_too_small_is_one_clear_line(smollm2_dir, tmp_path):
+    # 64 KiB is the smallest ceiling accepted; ~4,500 tokens' ids alone pass half of it.
+    prompt = tmp_path / "long.txt"
+    prompt.write_text(" ".join(f"note {i} is on shelf {i % 13}." for i in range(600)))
+    out = kvchat(
+        "run", "--model", str(smollm2_dir), "--max-mem", "64KiB", "--prompt-file", str(prompt)
+    )
     assert out.returncode == 1
     assert "--max-mem" in out.stderr and "Traceback" not in out.stderr
 

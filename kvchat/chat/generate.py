@@ -22,8 +22,8 @@ from kvchat.threads import rows_threads
 
 BeforeForward = Callable[[int], None]
 
-# Models whose attention this module has routed through kvchat's (see route_attention).
-_routed: weakref.WeakSet = weakref.WeakSet()
+# Models route_attention found no KV-Direct adapter for (their own attention serves).
+_unroutable: weakref.WeakSet = weakref.WeakSet()
 
 
 def route_attention(model: torch.nn.Module) -> None:
@@ -31,7 +31,9 @@ def route_attention(model: torch.nn.Module) -> None:
     runs any forward call of it, whichever cache the call uses: every call then sums
     attention in one order, so a bounded cache equals the standard one bit for bit. Loading
     does this already; this covers models built elsewhere (tests, the lab)."""
-    if model in _routed:
+    from kvchat.kvdirect.attention import routed
+
+    if routed(model) or model in _unroutable:
         return
     from kvchat.kvdirect.arch import ArchAdapter, UnsupportedArchitectureError
     from kvchat.kvdirect.cache import install_attention
@@ -39,8 +41,7 @@ def route_attention(model: torch.nn.Module) -> None:
     try:
         install_attention(ArchAdapter(model))
     except UnsupportedArchitectureError:
-        pass  # no KV-Direct cache for it either: its own attention serves
-    _routed.add(model)
+        _unroutable.add(model)  # no KV-Direct cache for it either: its own attention serves
 
 
 @dataclass

@@ -9,7 +9,9 @@ function runs, in order of preference:
 2. kvchat's exact kernel (``exact_attention.py``) for ordinary calls on the CPU, so the
    standard cache, the bounded cache's whole K/V and its streamed windows all sum in one
    order and give the same bits;
-3. the model's own attention otherwise (another device, a soft cap, a padding mask).
+3. the model's own attention otherwise (another device, a soft cap, a padding mask, or
+   a model in eager attention: callers choose eager to read the attention weights, which
+   only it returns; ``kvchat bench``'s eviction baselines do).
 
 The cache hands a streamed layer over through a context variable set in ``update`` and
 read by the attention call that follows it in the same thread: nothing is planted on
@@ -19,6 +21,7 @@ transformers' modules, and two caches on one model never see each other's layers
 from __future__ import annotations
 
 import contextvars
+import weakref
 from typing import Any
 
 import torch
@@ -27,7 +30,11 @@ from kvchat.kvdirect import exact_attention
 
 PREFIX = "kvdirect_"
 
-__all__ = ["PREFIX", "install", "installed", "pending_stream", "set_pending_stream"]
+__all__ = ["PREFIX", "install", "installed", "pending_stream", "routed", "set_pending_stream"]
+
+# Models install() routed once: a model switched back to another attention afterwards
+# (set_attn_implementation) is not routed again behind the caller's back.
+_routed: weakref.WeakSet = weakref.WeakSet()
 
 _pending: contextvars.ContextVar[Any] = contextvars.ContextVar("kvchat_stream", default=None)
 
@@ -58,10 +65,17 @@ def installed(config: Any) -> bool:
     return str(getattr(config, "_attn_implementation", "") or "").startswith(PREFIX)
 
 
-def install(attention_modules: list[Any]) -> None:
-    """Route these attention modules (a model's, all of them) through kvchat's attention.
+def routed(model: Any) -> bool:
+    """Whether :func:`install` has routed ``model`` (it may have been switched since)."""
+    return model in _routed
+
+
+def install(attention_modules: list[Any], model: Any = None) -> None:
+    """Route these attention modules (all of ``model``'s) through kvchat's attention.
     Idempotent; the model's own implementation stays reachable for calls the exact kernel
     does not take."""
+    if model is not None:
+        _routed.add(model)
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -85,7 +99,9 @@ def install(attention_modules: list[Any]) -> None:
                 return streamed_attention(
                     layer, module, query, key, value, attention_mask, scaling, window
                 ), None
-            if exact_attention.usable(module, query, attention_mask, key.shape[-2], window):
+            if inner is not None and exact_attention.usable(
+                module, query, attention_mask, key.shape[-2], window
+            ):
                 out = exact_attention.exact_attention(query, key, value, scaling, window)
                 return out, None
             function = inner or _module_eager(module)

@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 
 CHECKPOINT_FORMS = ("residual", "kv", "auto")
 MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
+# The same for sliding layers, whose pieces go as the window moves past their last row:
+# smaller pieces free their spill space sooner (a file then holds about one window).
+SLIDING_PIECE_ROWS = 32
 # Rows a growing hot window reserves ahead when the cache allows it (no ceiling: nothing
 # ever leaves): a decode step then copies one row instead of concatenating the whole window
 # into a fresh tensor, at every layer.
@@ -150,11 +153,16 @@ class KVDirectLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.cumulative_length = 0
-        self.store = RowStore(layer_idx, max_piece_rows=MAX_PIECE_ROWS)
+        self.store = RowStore(
+            layer_idx, max_piece_rows=SLIDING_PIECE_ROWS if self.is_sliding else MAX_PIECE_ROWS
+        )
         self.kv_heads, self.head_dim = owner.adapter.kv_shape(layer_idx)
         self.pending_residual: torch.Tensor | None = None
         # Cold positions [begin, end) left for the streamed attention to fetch (disk tier).
         self.pending_cold: tuple[int, int] | None = None
+        # K/V leaving the hot window while streamed attention still reads cold rows that
+        # die with this call: written out once it has (finish_streamed), into their space.
+        self.pending_write: tuple[torch.Tensor, torch.Tensor, int] | None = None
         # K/V-form rows already in a saved segment while still hot: (start, end, where).
         # When they leave the hot window they point there instead of being written again.
         self.saved_hot: list[tuple[int, int, DiskRows]] = []
@@ -199,6 +207,8 @@ class KVDirectLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.pending_write is not None:
+            self.finish_streamed()  # the last call's attention never came back for it
         start = self.cumulative_length
         new_len = key_states.shape[-2]
         if self.form == "residual":
@@ -391,11 +401,15 @@ class KVDirectLayer(CacheLayerMixin):
             if lo < leaving_to:
                 both_k = torch.cat([hot_k, key_states], dim=-2)
                 both_v = torch.cat([hot_v, value_states], dim=-2)
-                self._write_out(
+                leaving = (
                     both_k[..., lo - first : leaving_to - first, :],
                     both_v[..., lo - first : leaving_to - first, :],
                     lo,
                 )
+                if self.pending_cold is not None and self.is_sliding:
+                    self.pending_write = leaving
+                else:
+                    self._write_out(*leaving)
         if keep <= 0:
             self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
             self.values = value_states.new_empty(
@@ -414,6 +428,15 @@ class KVDirectLayer(CacheLayerMixin):
             # A piece may go once no row of it can be seen again by a later query.
             self.store.drop_before(self._needed_from())
         self._forget_saved_below(self.hot_from)
+
+    def finish_streamed(self) -> None:
+        """Streamed attention has read this call's cold rows: drop those no later query can
+        see, then write out the rows that left the hot window, into the space just freed."""
+        self.store.drop_before(self._needed_from())
+        if self.pending_write is not None:
+            keys, values, first = self.pending_write
+            self.pending_write = None
+            self._write_out(keys, values, first)
 
     def _forget_saved_below(self, position: int) -> None:
         while self.saved_hot and self.saved_hot[0][1] <= position:
@@ -436,7 +459,7 @@ class KVDirectLayer(CacheLayerMixin):
                 piece.saved = sub_rows(where, pos - s, pos - s + take)
             else:
                 nxt = min([s for s, _, _ in self.saved_hot[:2] if s > pos], default=first + n)
-                take = min(n - at, nxt - pos, MAX_PIECE_ROWS)
+                take = min(n - at, nxt - pos, self.store.max_piece_rows)
                 piece = Piece(pos, "kv", _compact(rows[:, at : at + take]))
             self._store_piece(piece)
             at += take
@@ -904,7 +927,7 @@ def install_attention(adapter: ArchAdapter) -> None:
     kernel every cache runs, and the streamed path this cache's layers need."""
     from kvchat.kvdirect.attention import install
 
-    install([adapter.attention_module(i) for i in range(adapter.num_layers)])
+    install([adapter.attention_module(i) for i in range(adapter.num_layers)], adapter.model)
 
 
 def _need(layer: KVDirectLayer) -> int:

@@ -14,6 +14,7 @@ counts as scratch.
 from __future__ import annotations
 
 import atexit
+import bisect
 import math
 import os
 import shutil
@@ -37,13 +38,19 @@ def _reader() -> ThreadPoolExecutor:
 
 
 class RowFile:
-    """A file checkpoint rows are read from: a spill file (kept open, appended to) or a
+    """A file checkpoint rows are read from: a spill file (kept open, written to) or a
     saved segment (opened for each read, so a long conversation holds no descriptor per
-    turn)."""
+    turn).
+
+    A spill file reuses the space of rows that died (a sliding window moved past them, they
+    were read back into memory, or a save took them): :meth:`write` puts new rows in the
+    first gap between live ranges that holds them, so the file stays about as large as the
+    rows it holds, not as everything ever spilled."""
 
     def __init__(self, path: Path, writable: bool = False) -> None:
         self.path = Path(path)
         self.writable = writable
+        self.live: list[tuple[int, int]] = []  # [start, end) byte ranges still read, sorted
         self.fd = -1
         if writable:
             flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
@@ -92,18 +99,47 @@ class RowFile:
             return "the session's spill file was changed under it; start the conversation again"
         return "the conversation's files are damaged: export it, or delete it"
 
-    def append(self, data: memoryview) -> int:
-        """Write ``data`` at the end; returns its offset. OSError (disk full) propagates."""
-        offset = self.size
+    def write(self, data: memoryview) -> int:
+        """Write ``data`` into the first gap that holds it (else at the end); returns its
+        offset. OSError (disk full) propagates, with nothing marked live."""
+        n = len(data)
+        offset = 0
+        for start, end in self.live:
+            if start - offset >= n:
+                break
+            offset = end
         done = 0
-        while done < len(data):
+        while done < n:
             done += os.pwrite(self.fd, data[done:], offset + done)
-        self.size += len(data)
+        bisect.insort(self.live, (offset, offset + n))
+        self.size = max(self.size, offset + n)
         return offset
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Rows at [offset, offset + nbytes) will not be read again: their space is free."""
+        if not self.writable or nbytes <= 0:
+            return
+        lo, hi = offset, offset + nbytes
+        kept: list[tuple[int, int]] = []
+        for start, end in self.live:
+            if end <= lo or start >= hi:
+                kept.append((start, end))
+                continue
+            if start < lo:
+                kept.append((start, lo))
+            if end > hi:
+                kept.append((hi, end))
+        self.live = kept
+        if not kept:
+            self.truncate()
+        elif kept[-1][1] < self.size:
+            os.ftruncate(self.fd, kept[-1][1])
+            self.size = kept[-1][1]
 
     def truncate(self) -> None:
         os.ftruncate(self.fd, 0)
         self.size = 0
+        self.live = []
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -172,7 +208,7 @@ def read_rows(
 
 
 class SpillArea:
-    """The session's spill files: one append-only file per layer in a private directory."""
+    """The session's spill files: one file per layer in a private directory."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -202,7 +238,7 @@ class SpillArea:
                 ) from None
         cpu = rows.detach().to("cpu").contiguous()
         try:
-            offset = file.append(tensor_view(cpu))
+            offset = file.write(tensor_view(cpu))
         except OSError as e:
             raise StorageError(
                 f"moving checkpoints to disk failed ({e.strerror}) in {file.path.parent}; "

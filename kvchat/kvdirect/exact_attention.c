@@ -322,7 +322,7 @@ static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
   const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
   int64_t row0, lanes;
   rows_span(job, kv_head, first, &row0, &lanes);
-  float qt[dim * LANES], acc[dim * LANES], kr[dim], vr[dim], buf[LANES];
+  float qt[dim * LANES], acc[dim * LANES], buf[LANES];
   int64_t pos[LANES], max_pos = INT64_MIN, min_pos = INT64_MAX;
   for (int t = 0; t < LANES; t++) {
     int live = t < lanes;
@@ -340,31 +340,66 @@ static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
   for (int t = 0; t < LANES; t++) buf[t] = t < lanes ? job->l[row0 + t] : 0.0f;
   __m512 l = _mm512_loadu_ps(buf);
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
-  for (int64_t j = 0; j < job->n_keys; j++) {
-    const int64_t kp = job->key_pos0 + j;
-    if (kp > max_pos) break;
-    if (window > 0 && kp <= min_pos - window) continue;
-    load_row(job->k, job->dtype, kv_head * job->k_head_stride + j * job->k_row_stride, dim, kr);
-    load_row(job->v, job->dtype, kv_head * job->v_head_stride + j * job->v_row_stride, dim, vr);
-    __m512 s = dot16(qt, kr, dim, 0);
-    __mmask16 visible = 0;
-    for (int t = 0; t < LANES; t++) visible |= (__mmask16)(is_visible(kp, pos[t], window) << t);
-    __m512 mx = _mm512_max_ps(_mm512_mask_blend_ps(visible, minus_inf, s), m);
-    __mmask16 changed = _mm512_cmp_ps_mask(mx, m, _CMP_NEQ_UQ);
-    __m512 p = _mm512_maskz_mov_ps(
-        visible, exp_nonpositive16(_mm512_maskz_sub_ps(visible, s, mx)));
-    if (changed) {
-      __m512 a = exp_nonpositive16(_mm512_maskz_sub_ps(changed, m, mx));
-      __m512 alpha = _mm512_mask_blend_ps(changed, _mm512_set1_ps(1.0f), a);
-      l = _mm512_mul_ps(l, alpha);
-      for (int64_t e = 0; e < dim; e++)
-        _mm512_storeu_ps(acc + e * LANES, _mm512_mul_ps(_mm512_loadu_ps(acc + e * LANES), alpha));
+  /* Keys in groups of GROUP: each key's max, weights and rescale are worked out in order,
+   * then one pass over the accumulators applies them key after key (rescale, then add),
+   * the order a key-at-a-time loop would take, with a quarter of the loads and stores. */
+  enum { GROUP = 4 };
+  float kbuf[GROUP][dim], vbuf[GROUP][dim];
+  const float *vrow[GROUP];
+  int64_t j = 0;
+  while (j < job->n_keys) {
+    __m512 pg[GROUP], ag[GROUP];
+    __mmask16 cg[GROUP];
+    int count = 0;
+    int stop = 0;
+    for (; count < GROUP && j < job->n_keys; j++) {
+      const int64_t kp = job->key_pos0 + j;
+      if (kp > max_pos) {
+        stop = 1;
+        break;
+      }
+      if (window > 0 && kp <= min_pos - window) continue;
+      const int64_t k_at = kv_head * job->k_head_stride + j * job->k_row_stride;
+      const int64_t v_at = kv_head * job->v_head_stride + j * job->v_row_stride;
+      const float *krow;
+      if (job->dtype == 0) {
+        krow = (const float *)job->k + k_at;
+        vrow[count] = (const float *)job->v + v_at;
+      } else {
+        load_row(job->k, job->dtype, k_at, dim, kbuf[count]);
+        load_row(job->v, job->dtype, v_at, dim, vbuf[count]);
+        krow = kbuf[count];
+        vrow[count] = vbuf[count];
+      }
+      __m512 s = dot16(qt, krow, dim, 0);
+      __mmask16 visible = 0;
+      for (int t = 0; t < LANES; t++) visible |= (__mmask16)(is_visible(kp, pos[t], window) << t);
+      __m512 mx = _mm512_max_ps(_mm512_mask_blend_ps(visible, minus_inf, s), m);
+      __mmask16 changed = _mm512_cmp_ps_mask(mx, m, _CMP_NEQ_UQ);
+      __m512 p = _mm512_maskz_mov_ps(
+          visible, exp_nonpositive16(_mm512_maskz_sub_ps(visible, s, mx)));
+      __m512 alpha = _mm512_set1_ps(1.0f);
+      if (changed) {
+        __m512 a = exp_nonpositive16(_mm512_maskz_sub_ps(changed, m, mx));
+        alpha = _mm512_mask_blend_ps(changed, alpha, a);
+        l = _mm512_mul_ps(l, alpha);
+      }
+      l = _mm512_add_ps(l, p);
+      m = mx;
+      pg[count] = p;
+      ag[count] = alpha;
+      cg[count] = changed;
+      count++;
     }
-    l = _mm512_add_ps(l, p);
-    m = mx;
-    for (int64_t e = 0; e < dim; e++)
-      _mm512_storeu_ps(acc + e * LANES, _mm512_fmadd_ps(p, _mm512_set1_ps(vr[e]),
-                                                        _mm512_loadu_ps(acc + e * LANES)));
+    for (int64_t e = 0; e < dim; e++) {
+      __m512 a = _mm512_loadu_ps(acc + e * LANES);
+      for (int g = 0; g < count; g++) {
+        if (cg[g]) a = _mm512_mul_ps(a, ag[g]);
+        a = _mm512_fmadd_ps(pg[g], _mm512_set1_ps(vrow[g][e]), a);
+      }
+      _mm512_storeu_ps(acc + e * LANES, a);
+    }
+    if (stop) break;
   }
   float ms[LANES], ls[LANES];
   _mm512_storeu_ps(ms, m);

@@ -132,6 +132,12 @@ def sub_rows(where: DiskRows, r0: int, r1: int) -> DiskRows:
     )
 
 
+def _release_spill(piece: Piece) -> None:
+    """``piece`` stops reading its spill rows (dropped, back in memory, or saved)."""
+    if piece.disk is not None and piece.disk is not piece.saved:
+        piece.disk.file.release(piece.disk.offset, piece.disk.nbytes)
+
+
 @dataclass
 class RowStore:
     """The pieces of one layer, in position order, with running byte counters."""
@@ -200,6 +206,7 @@ class RowStore:
         n = 0
         while n < len(self.pieces) and self.pieces[n].end <= position:
             self._count(self.pieces[n], -1)
+            _release_spill(self.pieces[n])
             n += 1
         if n:
             del self.pieces[:n]
@@ -437,6 +444,7 @@ class RowStore:
             self._count(p, -1)
             p.resident = rows.clone() if rows.device.type == "cpu" else rows
             if p.saved is None:
+                _release_spill(p)
                 p.disk = None
             self._count(p, +1)
         self._first_resident = 0
@@ -486,6 +494,7 @@ class RowStore:
             p.saved = rows
             p.hasher = None  # saved rows never grow
             if p.resident is None:
+                _release_spill(p)
                 p.disk = rows
             self._count(p, +1)
 

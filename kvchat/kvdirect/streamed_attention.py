@@ -52,6 +52,8 @@ class StreamedLayer(Protocol):
         self, begin: int, end: int, chunk_rows: int | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
 
+    def finish_streamed(self) -> None: ...
+
 
 def _online_update(
     state: list[torch.Tensor | None],
@@ -154,9 +156,12 @@ def streamed_attention(
             state.fold(cold_k, cold_v, column)
             column += n
         _check_streamed(layer, column, end - begin)
+        layer.finish_streamed()
         state.fold(key, value, column)
         return state.finish()
-    return _merged_by_lse(layer, module, query, key, value, attention_mask, scaling, cold)
+    out = _merged_by_lse(layer, module, query, key, value, attention_mask, scaling, cold)
+    layer.finish_streamed()
+    return out
 
 
 def _check_streamed(layer: StreamedLayer, column: int, expected: int) -> None:

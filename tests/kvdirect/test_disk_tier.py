@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from kvchat.chat.memory import process_rss
 from kvchat.chat.session import ChatSession
 from kvchat.chat.settings import CacheSettings, SamplingSettings
+from kvchat.kvdirect import exact_attention
 from kvchat.kvdirect.arch import ArchAdapter
 from kvchat.kvdirect.cache import KVDirectCache
 from kvchat.lab.tiny_models import FAMILIES
@@ -54,6 +55,7 @@ def test_checkpoints_on_disk_give_bit_identical_logits(family, tmp_path):
     assert not list((tmp_path / "spill").iterdir())  # spill files go with the session
 
 
+@pytest.mark.skipif(not exact_attention.available(), reason="no C compiler: torch's attention")
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("stream_chunk", [8, 16])
 def test_streamed_attention_gives_bit_identical_logits(family, stream_chunk, tmp_path):
@@ -245,3 +247,52 @@ def test_streamed_path_refuses_when_its_attention_was_swapped_out(tmp_path):
     with pytest.raises(RuntimeError, match="streamed attention is not installed"):
         run_conversation(model, cache)
     cache.close()
+
+
+@pytest.mark.slow
+def test_spill_files_never_hold_more_than_the_standard_cache(gemma270m_loaded, tmp_path):
+    """Sliding layers' rows die as the window moves; their spill space is reused, so under
+    a ceiling with nothing saved the spill files (their sizes on disk, by stat) stay within
+    1.1x the bytes the standard cache (DynamicCache's tensors) holds after the same call."""
+    import os
+
+    import kvchat.chat.generate as generate_module
+
+    text = long_text(70)
+    prompts = (text, " Note 3 was", " and then")
+    sampling = SamplingSettings(max_new_tokens=24)
+    original = generate_module.forward_ids
+    standard_bytes: list[int] = []
+    spill_bytes: list[int] = []
+
+    def standard_recording(model, cache, *args, **kwargs):
+        out = original(model, cache, *args, **kwargs)
+        standard_bytes.append(
+            sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        )
+        return out
+
+    def spill_recording(model, cache, *args, **kwargs):
+        out = original(model, cache, *args, **kwargs)
+        folder = cache.spill.path if cache.spill is not None else None
+        sizes = [os.stat(f).st_size for f in folder.iterdir()] if folder else []
+        spill_bytes.append(sum(sizes))
+        return out
+
+    generate_module.forward_ids = standard_recording
+    try:
+        standard = ChatSession(gemma270m_loaded, cache=CacheSettings(kind="standard"))
+        ref = [standard.send(p, sampling).tokens for p in prompts]
+        generate_module.forward_ids = spill_recording
+        session = ChatSession(
+            gemma270m_loaded, cache=CacheSettings(max_mem=1_500_000), spill_root=tmp_path
+        )
+        got = [session.send(p, sampling).tokens for p in prompts]
+        assert session.plan.disk_tier
+        session.close()
+    finally:
+        generate_module.forward_ids = original
+    assert got == ref
+    assert len(spill_bytes) == len(standard_bytes) and max(spill_bytes) > 0
+    worst = max(s / b for s, b in zip(spill_bytes, standard_bytes))
+    assert worst <= 1.1, f"spill reached {worst:.2f}x the standard cache's bytes"

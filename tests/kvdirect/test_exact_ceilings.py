@@ -100,3 +100,40 @@ def test_gemma3_270m_every_ceiling(gemma270m_loaded, tmp_path, monkeypatch):
     assert_every_ceiling_exact(
         gemma270m_loaded, [3_000_000, 1_500_000], tmp_path, monkeypatch, prompts
     )
+
+
+@pytest.mark.parametrize(("first", "then"), [(None, 1_500_000), (2_000_000, None)])
+def test_save_and_resume_under_another_ceiling(
+    smollm2_quantized, tmp_path, monkeypatch, first, then
+):
+    """Two turns saved under one ceiling, the third resumed in a new session under another
+    (streamed or none): every forward call of the third turn equals the unbounded run's."""
+    from kvchat.chat.conversation import open_session
+
+    _, reference, _ = converse(smollm2_quantized, CacheSettings(), tmp_path / "u", monkeypatch)
+    seen: list[torch.Tensor] = []
+    original = generate_module.forward_ids
+
+    def recording(*args, **kwargs):
+        logits = original(*args, **kwargs)
+        seen.append(logits.detach().clone())
+        return logits
+
+    monkeypatch.setattr(generate_module, "forward_ids", recording)
+    data = tmp_path / "data"
+    session = open_session(smollm2_quantized, data_dir=data, cache=CacheSettings(max_mem=first))
+    for prompt in PROMPTS[:2]:
+        assert session.send(prompt, REPLY).error is None
+    conversation = session.conversation.id
+    session.close()
+    resumed = open_session(
+        smollm2_quantized,
+        data_dir=data,
+        cache=CacheSettings(max_mem=then),
+        conversation_id=conversation,
+    )
+    assert resumed.send(PROMPTS[2], REPLY).error is None
+    resumed.close()
+    assert len(seen) == len(reference)
+    for i, (a, b) in enumerate(zip(seen, reference)):
+        assert torch.equal(a, b), f"{first} then {then}: forward call {i} differs"
