@@ -45,6 +45,7 @@ from common import user_text  # noqa: E402
 from kvchat.lab import harness  # noqa: E402
 
 TARGETS = {("2K", "25%"): 0.6, ("8K", "25%"): 0.5, ("8K", "2MB"): 0.25, ("4K", "64MB"): 0.8}
+COLD_TARGETS = {("8K", "25%"): 0.5}  # read back from a cold disk
 
 
 def drop_page_cache(root: Path) -> None:
@@ -181,7 +182,7 @@ def gemma_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def row(context, ceiling, form, cold, times, tokens, mem) -> dict[str, Any]:
     ratio = harness.median_ratio(times["standard"], times["bounded"])
-    target = TARGETS.get((context, ceiling))
+    target = (COLD_TARGETS if cold else TARGETS).get((context, ceiling))
     same = tokens["standard"] == tokens["bounded"]
     out = {
         "context": context,
@@ -195,13 +196,16 @@ def row(context, ceiling, form, cold, times, tokens, mem) -> dict[str, Any]:
         "resident_bytes": mem.state_bytes,
         "standard_equivalent_bytes": mem.standard_equivalent_bytes,
         "disk_bytes": mem.disk_bytes,
+        "disk_vs_standard": round(mem.disk_bytes / max(1, mem.standard_equivalent_bytes), 3),
         "plan": mem.plan,
         "target": target,
-        "meets_target": None if target is None or cold or form != "auto" else ratio >= target,
+        "meets_target": None if target is None or form != "auto" else ratio >= target,
     }
     out["summary"] = (
         f"{context} {ceiling} {form} {out['disk']}: {ratio:.2f}x "
-        f"({out['bounded_step_ms']} vs {out['standard_step_ms']} ms/step), same tokens {same}"
+        f"({out['bounded_step_ms']} vs {out['standard_step_ms']} ms/step), same tokens {same}, "
+        f"disk {out['disk_vs_standard']:.2f}x the standard cache's bytes"
+        + ("" if target is None else f" (target >= {target}x)")
     )
     return out
 

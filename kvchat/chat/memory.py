@@ -2,7 +2,7 @@
 
 Figures come from the bytes of the tensors the cache actually holds (hot K/V, residual
 checkpoints), not from a formula; the standard-cache equivalent is what transformers'
-``DynamicCache`` would hold for the same tokens (DESIGN.md §4); weights and process RSS
+``DynamicCache`` would hold for the same tokens (docs/facts.md, section 2); weights and process RSS
 (psutil) are reported beside them, never mixed into the conversation state.
 """
 

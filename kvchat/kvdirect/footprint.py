@@ -1,10 +1,10 @@
 """Bytes per token of a model's conversation state, from its config alone (no weights).
 
-DESIGN.md §2 in code: for every decoder layer, what one token costs as K+V
+docs/facts.md (section 1) in code: for every decoder layer, what one token costs as K+V
 (``2 * kv_heads * head_dim * itemsize``) and as a residual checkpoint
 (``hidden_size * itemsize``), which of the two exact forms is smaller, and what
 transformers' own ``DynamicCache(config=...)`` would hold for ``n`` tokens (the
-"standard cache equivalent" of DESIGN.md §4, which the memory gauge compares against).
+"standard cache equivalent" of docs/facts.md, section 2, which the memory gauge compares against).
 
 Which layers are sliding is decided by ``transformers.cache_utils.get_layer_types_and_kwargs``,
 the very function ``DynamicCache`` uses, so our notion of "sliding" cannot drift from

@@ -1,4 +1,4 @@
-"""``kvchat inspect MODEL``: the bytes-per-token table of DESIGN.md §2 for one model.
+"""``kvchat inspect MODEL``: the bytes-per-token table of docs/facts.md for one model.
 
 ``render_inspect`` gives plain text that fits 80 columns (runs of identical consecutive layers
 share a row); ``inspect_as_dict`` gives the same figures, one entry per layer, for ``--json``.

@@ -284,7 +284,7 @@ def run(ctx: LabContext) -> Section:
         f"layers bit-identical. Naive batched recompute: {naive_equal}/{all_checked} layers "
         "bit-identical"
         + (f"; not exact for {', '.join(naive_bad)}." if naive_bad else ".")
-        + " Exactness depends on replaying the original GEMM shapes (DESIGN section 3)."
+        + " Exactness depends on replaying the original GEMM shapes (docs/facts.md, section 3)."
     )
     fig = _figure(ctx, results)
     if fig:

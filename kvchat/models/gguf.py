@@ -44,7 +44,7 @@ def converted_dir(gguf_name: str, sha256: str) -> Path:
 def convert_gguf(gguf: Path, target: Path, sha256: str, say: Progress) -> None:
     """Dequantize ``gguf`` once into a safetensors directory at ``target``, atomically.
 
-    Recipe from DESIGN §3: transformers refuses ``save_pretrained`` on a GGUF-loaded model, so
+    Why by hand: transformers refuses ``save_pretrained`` on a GGUF-loaded model, so
     drop ``config.quantization_config`` and write config, weights and tokenizer ourselves.
     Weights are kept in float32: the GGUF's dequantized values are exact there, and bf16 would
     round them (``load_model`` casts to the requested dtype at load time).

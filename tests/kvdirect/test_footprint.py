@@ -1,4 +1,4 @@
-"""Bytes-per-token figures (DESIGN.md §2) and the inspect report.
+"""Bytes-per-token figures (docs/facts.md, section 1) and the inspect report.
 
 Expected values are written out as arithmetic on the public config numbers, not computed by
 the code under test. The standard-cache definition is checked against transformers' own
@@ -38,7 +38,7 @@ ALIASES = [
 ]
 
 # alias: (hidden, layers, kv_heads, head_dim, sliding layers, window,
-#         residual/layer, K+V/layer, K+V all layers)   -- bf16, DESIGN.md §2
+#         residual/layer, K+V/layer, K+V all layers)   -- bf16, docs/facts.md section 1
 TABLE = {
     "gemma-3-4b": (2560, 34, 4, 256, 29, 1024, 5 * KiB, 4 * KiB, 136 * KiB),
     "gemma-3-1b": (1152, 26, 1, 256, 22, 512, 1152 * 2, 2 * 1 * 256 * 2, 26 * 1 * KiB),
