@@ -57,9 +57,17 @@ def test_checkpoints_on_disk_give_bit_identical_logits(family, tmp_path):
 
 @pytest.mark.skipif(not exact_attention.available(), reason="no C compiler: torch's attention")
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("stream_chunk", [8, 16])
-def test_streamed_attention_gives_bit_identical_logits(family, stream_chunk, tmp_path):
-    model = tiny_model(family)
+@pytest.mark.parametrize(
+    ("stream_chunk", "weights", "dtype"),
+    [(8, "none", torch.float32), (16, "none", torch.float32), (8, "int4", torch.float32),
+     (16, "int8", torch.float32), (8, "none", torch.bfloat16), (16, "int4", torch.bfloat16)],
+)  # fmt: skip
+def test_streamed_attention_gives_bit_identical_logits(
+    family, stream_chunk, weights, dtype, tmp_path
+):
+    from kvchat.models.quantize import quantize_weights
+
+    model = quantize_weights(tiny_model(family, dtype), weights)
     ref_tokens, ref_logits = run_conversation(model, DynamicCache(config=model.config))
     cache = disk_cache(model, tmp_path, stream_chunk=stream_chunk)
     tokens, logits = run_conversation(model, cache)

@@ -33,14 +33,19 @@ PROMPTS = (
 REPLY = SamplingSettings(max_new_tokens=40)
 
 
+ROWS: list[int] = []  # rows of every forward call of the last converse()
+
+
 def converse(loaded, cache: CacheSettings, tmp_path: Path, monkeypatch, prompts=PROMPTS):
     """Replies (token ids per turn), the logits of every forward call, and the plans seen."""
     seen: list[torch.Tensor] = []
     original = generate_module.forward_ids
+    ROWS.clear()
 
-    def recording(*args, **kwargs):
-        logits = original(*args, **kwargs)
+    def recording(model, cache, input_ids, *args, **kwargs):
+        logits = original(model, cache, input_ids, *args, **kwargs)
         seen.append(logits.detach().clone())
+        ROWS.append(input_ids.shape[1])
         return logits
 
     monkeypatch.setattr(generate_module, "forward_ids", recording)
@@ -63,6 +68,7 @@ def assert_every_ceiling_exact(loaded, ceilings, tmp_path, monkeypatch, prompts=
     unbounded, reference, _ = converse(
         loaded, CacheSettings(), tmp_path / "u", monkeypatch, prompts
     )
+    rows = list(ROWS)
     assert unbounded == standard
     assert sum(len(t) for t in standard) >= 60  # replies long enough for a late flip to show
     streamed = 0
@@ -71,6 +77,8 @@ def assert_every_ceiling_exact(loaded, ceilings, tmp_path, monkeypatch, prompts=
             loaded, CacheSettings(max_mem=ceiling), tmp_path / str(ceiling), monkeypatch, prompts
         )
         streamed += "streamed" in plan
+        # The model's matmuls are not batch invariant: no ceiling may change a call's rows.
+        assert ROWS == rows, f"{ceiling} B ({plan}): forward calls of other sizes"
         assert tokens == standard, f"{ceiling} B ({plan}): greedy tokens differ"
         assert len(logits) == len(reference)
         for i, (a, b) in enumerate(zip(logits, reference)):
@@ -89,6 +97,20 @@ def test_default_model_quantized_every_ceiling(smollm2_quantized, tmp_path, monk
     assert_every_ceiling_exact(
         smollm2_quantized, [4_000_000, 2_000_000, 1_000_000, 8_000_000], tmp_path, monkeypatch
     )
+
+
+def test_the_checkpoint_form_changes_no_bit(smollm2_quantized, tmp_path, monkeypatch):
+    """What the cost measurements decide (auto's form per layer) changes no bit either:
+    residual checkpoints replayed and K/V read back give the same logits."""
+    _, reference, _ = converse(smollm2_quantized, CacheSettings(), tmp_path / "u", monkeypatch)
+    for settings in (
+        CacheSettings(max_mem=4_000_000, checkpoint="residual"),
+        CacheSettings(max_mem=16_000_000, checkpoint="residual"),
+        CacheSettings(max_mem=4_000_000, checkpoint="kv"),
+        CacheSettings(hot_window=8, checkpoint="residual"),
+    ):
+        _, logits, plan = converse(smollm2_quantized, settings, tmp_path / "f", monkeypatch)
+        assert all(torch.equal(a, b) for a, b in zip(logits, reference)), (settings, plan)
 
 
 def test_default_model_float_weights_every_ceiling(smollm2_loaded, tmp_path, monkeypatch):
