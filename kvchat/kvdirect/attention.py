@@ -24,8 +24,6 @@ import contextvars
 import weakref
 from typing import Any
 
-import torch
-
 from kvchat.kvdirect import exact_attention
 
 PREFIX = "kvdirect_"
@@ -124,19 +122,3 @@ def _module_eager(module: Any) -> Any:
         found = eager_attention_forward
     return found
 
-
-def run_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-) -> torch.Tensor:
-    """What the installed function computes, for callers that skip the module call (the
-    decode step): ``[1, q_len, heads, dim]``."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    function = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
-    out, _ = function(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling)
-    return out

@@ -572,7 +572,6 @@ void kvchat_attention_fold(const float *q, int64_t heads, int64_t q_len, int64_t
   pthread_mutex_destroy(&job.lock);
 }
 
-int kvchat_attention_lanes(void) { return LANES; }
 
 /* A fresh state: max -inf, sum and weighted values 0. */
 void kvchat_attention_init(float *m, float *l, float *acc, int64_t rows, int64_t dim) {

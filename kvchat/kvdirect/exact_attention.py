@@ -150,11 +150,6 @@ class AttentionState:
             self.max.data_ptr(), self.sum.data_ptr(), self.acc.data_ptr(), heads * q_len, dim
         )
 
-    @property
-    def nbytes(self) -> int:
-        """The state's bytes and the query's float copy (scratch while a call runs)."""
-        return 4 * (self.query.numel() + self.max.numel() + self.sum.numel() + self.acc.numel())
-
     def fold(self, key: torch.Tensor, value: torch.Tensor, key_pos0: int) -> None:
         """Fold ``key``/``value`` (``[1, kv_heads, n, dim]``, any row and head strides) in."""
         n = key.shape[-2]
