@@ -121,4 +121,3 @@ def _module_eager(module: Any) -> Any:
 
         found = eager_attention_forward
     return found
-
