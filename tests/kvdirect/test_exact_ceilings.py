@@ -163,3 +163,48 @@ def test_save_and_resume_under_another_ceiling(
     assert len(seen) == len(reference)
     for i, (a, b) in enumerate(zip(seen, reference)):
         assert torch.equal(a, b), f"{first} then {then}: forward call {i} differs"
+
+
+def test_float_weights_give_transformers_generate_tokens(smollm2_loaded, smollm2_dir):
+    """``--weights none --cache standard`` runs kvchat's attention kernel, whose logits differ
+    from transformers' SDPA in the last bits; the greedy tokens of long replies still equal
+    transformers' own ``generate`` on its own model (SDPA), loaded apart from kvchat."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from kvchat.chat.generate import generate
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        smollm2_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    assert reference.config._attn_implementation == "sdpa"
+    tok = smollm2_loaded.tokenizer
+    compared = 0
+    for question in PROMPTS:
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": question}],
+            add_generation_prompt=True,
+            return_dict=True,
+        )
+        ids = list(rendered["input_ids"])
+        with torch.inference_mode():
+            out = reference.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                cache=DynamicCache(config=reference.config),
+                do_sample=False,
+                max_new_tokens=64,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+            )
+        expected = out[0, len(ids) :].tolist()
+        ours = generate(
+            smollm2_loaded.model,
+            DynamicCache(config=smollm2_loaded.model.config),
+            ids,
+            device=smollm2_loaded.device,
+            settings=SamplingSettings(max_new_tokens=64),
+            stop_ids={tok.eos_token_id},
+        )
+        assert ours.tokens == expected
+        compared += len(expected)
+    assert compared >= 60
