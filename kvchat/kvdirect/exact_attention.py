@@ -37,6 +37,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("exact_attention.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+# The portable build: no AVX-512, so the plain C loops run (the same bits, by construction).
+PORTABLE_FLAGS = [f for f in _FLAGS if f != "-march=native"] + ["-mno-avx512f"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 __all__ = ["AttentionState", "available", "exact_attention", "usable", "window_of"]
@@ -49,7 +51,7 @@ def _enabled() -> bool:
     return flag not in {"0", "off", "false", "no"}
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     chosen = os.environ.get("CC")
     if chosen:
         return shutil.which(chosen)
@@ -68,33 +70,33 @@ def _machine_key(cc: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build() -> ctypes.CDLL | None:
-    from kvchat.paths import cache_dir
-
-    cc = _compiler()
-    if cc is None:
-        return None
-    target = cache_dir() / "native" / f"exact_attention-{_machine_key(cc)}.so"
-    if not target.exists():
-        temporary = target.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            done = subprocess.run(
-                [cc, *_FLAGS, str(SOURCE), "-o", str(temporary), "-lm", "-pthread"],
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                timeout=120,
-            )
-            if done.returncode != 0 or not temporary.exists():
-                return None
-            os.replace(temporary, target)  # two processes never load half a file
-        except (OSError, subprocess.SubprocessError):
-            return None
-        finally:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
+def compile_kernel(cc: str, target: Path, flags: list[str] | None = None) -> bool:
+    """Compile the kernel into ``target`` (written aside, then renamed: two processes never
+    load half a file); False if the compiler fails."""
+    temporary = target.with_suffix(f".{os.getpid()}.tmp")
     try:
-        library = ctypes.CDLL(str(target))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            [cc, *(flags or _FLAGS), str(SOURCE), "-o", str(temporary), "-lm", "-pthread"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=120,
+        )
+        if done.returncode != 0 or not temporary.exists():
+            return False
+        os.replace(temporary, target)
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+
+
+def load_kernel(path: Path) -> ctypes.CDLL | None:
+    """The compiled kernel at ``path`` with its functions' signatures, or None."""
+    try:
+        library = ctypes.CDLL(str(path))
     except OSError:
         return None
     fold = library.kvchat_attention_fold
@@ -109,6 +111,18 @@ def _build() -> ctypes.CDLL | None:
     library.kvchat_attention_finish.argtypes = [ptr, ptr, i64, i64, i64, ptr]
     library.kvchat_attention_finish.restype = None
     return library
+
+
+def _build() -> ctypes.CDLL | None:
+    from kvchat.paths import cache_dir
+
+    cc = compiler()
+    if cc is None:
+        return None
+    target = cache_dir() / "native" / f"exact_attention-{_machine_key(cc)}.so"
+    if not target.exists() and not compile_kernel(cc, target):
+        return None
+    return load_kernel(target)
 
 
 def _kernel() -> ctypes.CDLL | None:
@@ -131,7 +145,12 @@ class AttentionState:
     at or before it (and, with ``window``, after ``position - window``)."""
 
     def __init__(
-        self, query: torch.Tensor, scaling: float, q_pos0: int, window: int | None = None
+        self,
+        query: torch.Tensor,
+        scaling: float,
+        q_pos0: int,
+        window: int | None = None,
+        kernel: ctypes.CDLL | None = None,
     ) -> None:
         batch, heads, q_len, dim = query.shape
         if batch != 1:
@@ -142,7 +161,7 @@ class AttentionState:
         self.positions = torch.arange(q_pos0, q_pos0 + q_len, dtype=torch.int64)
         self.scaling = float(scaling)
         self.window = int(window or 0)
-        self.kernel = _kernel()
+        self.kernel = kernel or _kernel()  # another build: tests compare builds
         self.max = torch.empty(heads * q_len)
         self.sum = torch.empty(heads * q_len)
         self.acc = torch.empty(heads * q_len, dim)

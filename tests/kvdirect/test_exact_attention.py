@@ -120,3 +120,35 @@ def test_thread_count_changes_no_bit():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, many)
+
+
+def test_the_portable_build_gives_the_avx512_builds_bits(tmp_path):
+    """Machines without AVX-512 run the plain C loops: each lane the same operations, so the
+    same bits as the intrinsics this machine runs (checked where both can be built)."""
+    import platform
+
+    from kvchat.kvdirect.exact_attention import (
+        PORTABLE_FLAGS,
+        compile_kernel,
+        compiler,
+        load_kernel,
+    )
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the portable build's flags are x86 ones")
+    target = tmp_path / "portable.so"
+    assert compile_kernel(compiler(), target, PORTABLE_FLAGS)
+    portable = load_kernel(target)
+    for q_len, past, window, dtype in [
+        (1, 900, None, torch.float32),  # a decode step: the few-rows layout
+        (37, 500, None, torch.float32),  # rows in lanes, with a partial tile
+        (200, 300, 64, torch.bfloat16),  # sliding window, bf16 K/V
+    ]:
+        query, key, value = tensors(3, 3, 64, q_len, past, dtype, 11)
+        n = key.shape[-2]
+        native = AttentionState(query, 0.125, n - q_len, window)
+        plain = AttentionState(query, 0.125, n - q_len, window, kernel=portable)
+        for state in (native, plain):
+            state.fold(key[:, :, :100], value[:, :, :100], 0)
+            state.fold(key[:, :, 100:], value[:, :, 100:], 100)
+        assert torch.equal(native.finish(), plain.finish()), (q_len, past, window, dtype)
