@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -272,7 +273,8 @@ class KVDirectLayer(CacheLayerMixin):
             full_k = torch.cat([hot_k, key_states], dim=-2)
             full_v = torch.cat([hot_v, value_states], dim=-2)
         if in_place:
-            self.owner.stats.note_scratch(full_k.untyped_storage().nbytes())
+            # This layer's buffer, and the next layer's being read meanwhile.
+            self.owner.stats.note_scratch(self.owner.rows_buffers_bytes())
         elif parts_k:
             held = {
                 t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -580,14 +582,17 @@ class KVDirectLayer(CacheLayerMixin):
         dtype = after[0][0].dtype
         rows = max(stored, lead + end - begin) + tail
         width = 2 * heads * dim
-        flat = self.owner.rows_buffer(rows * width, dtype)
-        t0 = time.perf_counter()
-        cold = flat[: stored * width].view(torch.uint8)
-        self.store.read_into(pieces, cold)
         stats = self.owner.stats
+        t0 = time.perf_counter()
+        flat = self.owner.take_prefetched(self.layer_idx, pieces, rows * width)
+        if flat is None:
+            flat = self.owner.rows_buffer(rows * width, dtype, self.layer_idx % 2)
+            self.store.read_into(pieces, flat[: stored * width].view(torch.uint8))
         stats.read_seconds += time.perf_counter() - t0
         stats.disk_read_bytes += self.store.read_bytes(pieces)
         stats.rows_read_in_place += stored
+        # While this layer computes, the next one's cold rows come in on the other core.
+        self.owner.prefetch(self.layer_idx + 1, dtype, key_states_rows=after[-1][0].shape[-2])
         both = flat.view(1, rows, 2, heads, dim)
         at = lead + (end - begin)
         for k, v in after:
@@ -749,6 +754,7 @@ class KVDirectCache(Cache):
         self._budget_need_total = 0
         self._buffers: dict[str, torch.Tensor] = {}
         self.spill_error: StorageError | None = None  # a failed move to disk, reported next call
+        self._prefetched: tuple[int, list[int], int, torch.Tensor, Future] | None = None
         layers = [
             KVDirectLayer(self, spec.index, form, spec.sliding_window)
             for spec, form in zip(adapter.layers, forms)
@@ -802,9 +808,63 @@ class KVDirectCache(Cache):
         """A flat uint8 CPU buffer for rows read back from disk (reused every call)."""
         return self._buffer("read", nbytes, torch.uint8, torch.device("cpu"))
 
-    def rows_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat CPU buffer of token-major K/V rows handed to attention (reused)."""
-        return self._buffer("rows", numel, dtype, torch.device("cpu"))
+    def rows_buffer(self, numel: int, dtype: torch.dtype, parity: int = 0) -> torch.Tensor:
+        """A flat CPU buffer of token-major K/V rows handed to attention (reused): two of
+        them, so that one layer's rows are read while the layer before attends."""
+        return self._buffer(f"rows{parity}", numel, dtype, torch.device("cpu"))
+
+    def rows_buffers_bytes(self) -> int:
+        return sum(nbytes(self._buffers[n]) for n in ("rows0", "rows1") if n in self._buffers)
+
+    # -- reading the next layer's cold rows ahead ----------------------------------------
+    def prefetch(self, layer_idx: int, dtype: torch.dtype, key_states_rows: int) -> None:
+        """Start reading layer ``layer_idx``'s cold K/V rows into its buffer, as its
+        ``update`` would read them in place (disk tier, whole K/V, CPU), in the background."""
+        self._settle_prefetch()
+        if layer_idx >= len(self.layers) or self.stream_chunk is not None:
+            return
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized or getattr(layer, "device", None) is None:
+            return
+        if layer.device.type != "cpu":
+            return
+        start = layer.cumulative_length
+        visible_from = 0 if not layer.is_sliding else max(0, start - layer.sliding_window + 1)
+        hot_from = start - layer.hot_length
+        if visible_from >= hot_from:
+            return
+        pieces = layer.store.pieces_in(visible_from, hot_from)
+        if not pieces or not all(p.form == "kv" and p.dtype == dtype for p in pieces):
+            return
+        if all(p.resident is not None for p in pieces):
+            return  # nothing on disk: the copy is quick where it is
+        lead = visible_from - pieces[0].start
+        stored = pieces[-1].end - pieces[0].start
+        rows = max(stored, lead + hot_from - visible_from) + layer.hot_length + key_states_rows
+        width = 2 * layer.kv_heads * layer.head_dim
+        flat = self.rows_buffer(rows * width, dtype, layer_idx % 2)
+        cold = flat[: stored * width].view(torch.uint8)
+        future = _prefetcher().submit(layer.store.read_into, pieces, cold)
+        self._prefetched = (layer_idx, [id(p) for p in pieces], rows * width, flat, future)
+
+    def take_prefetched(self, layer_idx: int, pieces: list[Any], numel: int) -> Any:
+        """The buffer :meth:`prefetch` filled for these pieces of ``layer_idx`` (errors of
+        the read raise here), or None."""
+        held = self._prefetched
+        if held is None:
+            return None
+        self._prefetched = None
+        idx, ids, size, flat, future = held
+        future.result()  # wait; a read error or a failed check raises here, in the call
+        if idx != layer_idx or ids != [id(p) for p in pieces] or size < numel:
+            return None
+        return flat
+
+    def _settle_prefetch(self) -> None:
+        """Wait for a prefetch nobody took (its buffer is about to be reused)."""
+        held, self._prefetched = self._prefetched, None
+        if held is not None:
+            held[4].exception()
 
     def window_buffer(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 CPU buffer streamed attention's windows are assembled in."""
@@ -866,7 +926,7 @@ class KVDirectCache(Cache):
         if not plan.disk_tier:
             self.release_buffers()
         elif plan.stream_chunk is not None:
-            self.release_buffers(("read", "k", "v", "rows"))  # the whole-K/V read-back path's
+            self.release_buffers(("read", "k", "v", "rows0", "rows1"))  # whole-K/V read-back
         else:
             self.release_buffers(("window",))  # streamed attention's
         self.decode_stream_chunk = plan.decode_stream_chunk or plan.stream_chunk
@@ -892,6 +952,7 @@ class KVDirectCache(Cache):
         return 0 if self.spill is None else self.spill.nbytes()
 
     def close(self) -> None:
+        self._settle_prefetch()
         self.detach()
         self.release_buffers()
         if self.spill is not None:
@@ -920,6 +981,18 @@ class KVDirectCache(Cache):
         if not lengths:
             lengths = [layer.hot_length for layer in self.layers]
         return min(lengths) if lengths else 0
+
+
+_PREFETCHER: ThreadPoolExecutor | None = None
+
+
+def _prefetcher() -> ThreadPoolExecutor:
+    """One thread that reads the next layer's rows (not disk_tier's pool, whose split reads
+    a prefetched read waits on)."""
+    global _PREFETCHER
+    if _PREFETCHER is None:
+        _PREFETCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvchat-prefetch")
+    return _PREFETCHER
 
 
 def install_attention(adapter: ArchAdapter) -> None:
