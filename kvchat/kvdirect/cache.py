@@ -37,10 +37,11 @@ conversation saved as residuals and resumed as K/V keeps its old pieces as they 
 How K/V-form rows reach attention
 --------------------------------
 While one layer's whole K/V fits in scratch, stored K/V rows are read (on CPU) straight into
-one token-major buffer shared by every layer, the hot window and the new rows copied in
-behind them, and attention gets strided head-major views of it: SDPA gives the same bits
-for those as for contiguous K/V, and nothing is regathered. Below that, attention is
-streamed window by window (streamed_attention.py).
+a token-major buffer, the hot window and the new rows copied in behind them, and attention
+gets strided head-major views of it: kvchat's attention kernel reads rows by stride, so the
+same bits as for contiguous K/V, and nothing is regathered. Two such buffers alternate by
+layer, so the next layer's rows are read in the background while a layer computes. Below
+that, attention is streamed window by window (streamed_attention.py).
 
 Sliding-window layers (Gemma 3, Mistral) return exactly what ``DynamicSlidingWindowLayer``
 returns (the last ``window - 1`` tokens plus the new ones) and drop a call's residuals once
@@ -323,7 +324,7 @@ class KVDirectLayer(CacheLayerMixin):
         """Copy the new rows behind the hot ones, in the reserve when it has room.
 
         Attention gets leading views of the grown storage: the same values in the same
-        order as a concatenation, and SDPA reads them by stride, so the same bits.
+        order as a concatenation, read by stride, so the same bits.
         """
         n, new_len = self.hot_length, key_states.shape[-2]
         grown = self._live_growth()
@@ -571,10 +572,11 @@ class KVDirectLayer(CacheLayerMixin):
         after: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the cold positions [begin, end) (held by ``pieces``) followed by the
-        ``after`` K/V pairs, as views of one token-major buffer shared by every layer: the
-        stored rows are read into it as they lie on disk, so nothing regathers them. SDPA
-        takes the strided views and gives bit-identical results (tests/kvdirect/test_tiers.py);
-        whole pieces are read, so a piece that starts before ``begin`` leads the buffer."""
+        ``after`` K/V pairs, as views of a token-major buffer (one of two, by layer): the
+        stored rows are read into it as they lie on disk, so nothing regathers them; the
+        attention kernel takes the strided views and gives bit-identical results
+        (tests/kvdirect/test_tiers.py). Whole pieces are read, so a piece that starts before
+        ``begin`` leads the buffer."""
         lead = begin - pieces[0].start
         stored = pieces[-1].end - pieces[0].start
         tail = sum(k.shape[-2] for k, _ in after)
