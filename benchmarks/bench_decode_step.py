@@ -1,8 +1,8 @@
 """What the lean decode step buys: kvchat's decode through the model's own forward, through
-``kvchat.models.decode_step`` with the model's attention function, with packed GQA
-attention, and with its layers in C++ (``kvchat.models.native``: what quantized models use
-once the library is built; the row is skipped without a C++ compiler), in one process,
-interleaved.
+``kvchat.models.decode_step`` in Python, and with its layers in C++
+(``kvchat.models.native``: what quantized models use once the library is built; the row is
+skipped without a C++ compiler), in one process, interleaved. Every row calls the same
+attention function (kvchat's exact kernel, once the model is routed to it).
 
 Same model as the engine holds it (``--weights auto``: int4 for the default model), the
 same ~500-token prompt of real text and 64 greedy tokens as ``bench_peers.py``, kvchat's
@@ -31,14 +31,13 @@ import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
 from kvchat.lab import harness  # noqa: E402
 
 MODEL_PATH = "model forward (transformers' modules)"
-EXACT = "decode step, the model's attention"
-PACKED = "decode step, packed GQA"
+EXACT = "decode step, Python layers"
 NATIVE = "decode step, C++ layers (quantized default)"
-ROWS = (MODEL_PATH, EXACT, PACKED, NATIVE)
+ROWS = (MODEL_PATH, EXACT, NATIVE)
 KINDS = {
     "_weight_int4pack_mm": "int4 kernels",
     "_weight_int8pack_mm": "int8 kernels (head)",
-    "scaled_dot_product": "attention",
+    "scaled_dot_product": "attention (torch's, where kvchat's kernel is off)",
 }
 
 
@@ -79,7 +78,6 @@ def main() -> None:
 
     def use(row: str) -> None:
         generate_module.decode_step_for = (lambda _m: None) if row == MODEL_PATH else with_step
-        step.packs_gqa = row in (PACKED, NATIVE)
         step.use_native = row == NATIVE
 
     def measure(row: str, rep: int) -> dict[str, Any]:
