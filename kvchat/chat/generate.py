@@ -8,7 +8,6 @@ caller re-plan (the KV-Direct planner shrinks the hot window as the context grow
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -17,31 +16,11 @@ import torch
 from kvchat.chat.sampling import make_generator, next_token
 from kvchat.chat.settings import SamplingSettings
 from kvchat.errors import NeedsDiskTierError
+from kvchat.kvdirect.attention import route
 from kvchat.models.decode_step import decode_step_for
 from kvchat.threads import rows_threads
 
 BeforeForward = Callable[[int], None]
-
-# Models route_attention found no KV-Direct adapter for (their own attention serves).
-_unroutable: weakref.WeakSet = weakref.WeakSet()
-
-
-def route_attention(model: torch.nn.Module) -> None:
-    """Make ``model`` run kvchat's attention (``kvchat.kvdirect.attention``) before kvchat
-    runs any forward call of it, whichever cache the call uses: every call then sums
-    attention in one order, so a bounded cache equals the standard one bit for bit. Loading
-    does this already; this covers models built elsewhere (tests, the lab)."""
-    from kvchat.kvdirect.attention import routed
-
-    if routed(model) or model in _unroutable:
-        return
-    from kvchat.kvdirect.arch import ArchAdapter, UnsupportedArchitectureError
-    from kvchat.kvdirect.cache import install_attention
-
-    try:
-        install_attention(ArchAdapter(model))
-    except UnsupportedArchitectureError:
-        _unroutable.add(model)  # no KV-Direct cache for it either: its own attention serves
 
 
 @dataclass
@@ -74,9 +53,11 @@ def forward_ids(
 ) -> torch.Tensor:
     """:func:`forward` over a ``[1, n]`` id tensor the caller owns (the decode loop reuses
     one for every step instead of building a tensor per token). One-token calls of models
-    it knows go through ``kvchat.models.decode_step`` (fewer Python frames; the model's own
-    bits with float weights, packed GQA attention with quantized ones)."""
-    route_attention(model)
+    it knows go through ``kvchat.models.decode_step`` (fewer Python frames, the model's own
+    bits)."""
+    # Whichever cache the call uses, it sums attention in kvchat's one order (a model
+    # loaded by kvchat is routed already; this covers models built elsewhere).
+    route(model)
     if before_forward is not None:
         before_forward(input_ids.shape[1])
     rows = input_ids.shape[1]

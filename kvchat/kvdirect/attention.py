@@ -28,11 +28,13 @@ from kvchat.kvdirect import exact_attention
 
 PREFIX = "kvdirect_"
 
-__all__ = ["PREFIX", "install", "installed", "pending_stream", "routed", "set_pending_stream"]
+__all__ = ["PREFIX", "install", "installed", "pending_stream", "route", "set_pending_stream"]
 
-# Models install() routed once: a model switched back to another attention afterwards
-# (set_attn_implementation) is not routed again behind the caller's back.
+# Models route() has seen: routed ones (a model switched to another attention afterwards,
+# by set_attn_implementation, is not routed again behind the caller's back), and ones with
+# no KV-Direct adapter, whose own attention serves.
 _routed: weakref.WeakSet = weakref.WeakSet()
+_unroutable: weakref.WeakSet = weakref.WeakSet()
 
 _pending: contextvars.ContextVar[Any] = contextvars.ContextVar("kvchat_stream", default=None)
 
@@ -63,17 +65,27 @@ def installed(config: Any) -> bool:
     return str(getattr(config, "_attn_implementation", "") or "").startswith(PREFIX)
 
 
-def routed(model: Any) -> bool:
-    """Whether :func:`install` has routed ``model`` (it may have been switched since)."""
-    return model in _routed
+def route(model: Any, adapter: Any = None) -> None:
+    """Route ``model``'s attention through kvchat's, once: loading, the caches and the
+    forward loop all call this, and after the first call it is a set lookup. ``adapter``:
+    the model's ``ArchAdapter`` when the caller has one."""
+    if model in _routed or model in _unroutable:
+        return
+    from kvchat.kvdirect.arch import ArchAdapter, UnsupportedArchitectureError
+
+    try:
+        adapter = adapter or ArchAdapter(model)
+    except UnsupportedArchitectureError:
+        _unroutable.add(model)
+        return
+    install([adapter.attention_module(i) for i in range(adapter.num_layers)])
+    _routed.add(model)
 
 
-def install(attention_modules: list[Any], model: Any = None) -> None:
-    """Route these attention modules (all of ``model``'s) through kvchat's attention.
+def install(attention_modules: list[Any]) -> None:
+    """Route these attention modules (all of a model's) through kvchat's attention.
     Idempotent; the model's own implementation stays reachable for calls the exact kernel
     does not take."""
-    if model is not None:
-        _routed.add(model)
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 

@@ -61,6 +61,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvchat.errors import NeedsDiskTierError, StorageError
+from kvchat.kvdirect.attention import route
 from kvchat.kvdirect.disk_tier import DiskRows, RowFile, SpillArea
 from kvchat.kvdirect.planner import READ_CHUNK_ROWS
 from kvchat.kvdirect.state_store import Piece, RowStore, nbytes, sub_rows
@@ -200,6 +201,13 @@ class KVDirectLayer(CacheLayerMixin):
     def hot_length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
 
+    def attended_range(self) -> tuple[int, int]:
+        """(first position the next call attends to, first hot position): the cold rows
+        the next call needs are the positions between."""
+        start = self.cumulative_length
+        visible_from = 0 if not self.is_sliding else max(0, start - self.sliding_window + 1)
+        return visible_from, start - self.hot_length
+
     @property
     def hot_from(self) -> int:
         return self.cumulative_length - self.hot_length
@@ -225,8 +233,7 @@ class KVDirectLayer(CacheLayerMixin):
 
         # Positions attention needs now: everything (full layer) or the last window - 1
         # past tokens (sliding layer), exactly as the standard cache returns them.
-        visible_from = 0 if not self.is_sliding else max(0, start - self.sliding_window + 1)
-        hot_from = start - self.hot_length
+        visible_from, hot_from = self.attended_range()
         parts_k, parts_v = [], []
         in_place: list[Piece] = []  # cold pieces read straight into attention's buffer
         self.pending_cold = None
@@ -775,7 +782,7 @@ class KVDirectCache(Cache):
             self._hooks.append(
                 module.register_forward_pre_hook(_capture_into(layer), with_kwargs=True)
             )
-        install_attention(self.adapter)
+        route(self.adapter.model, self.adapter)
         return self
 
     def note_layer_input(self, layer_idx: int, hidden: torch.Tensor) -> None:
@@ -795,7 +802,7 @@ class KVDirectCache(Cache):
         """Stream cold K/V into attention ``chunk`` rows at a time (None: off)."""
         self.stream_chunk = chunk
         if chunk is not None:
-            install_attention(self.adapter)
+            route(self.adapter.model, self.adapter)
 
     # -- reusable scratch ----------------------------------------------------------------
     def _buffer(
@@ -830,9 +837,7 @@ class KVDirectCache(Cache):
             return
         if layer.device.type != "cpu":
             return
-        start = layer.cumulative_length
-        visible_from = 0 if not layer.is_sliding else max(0, start - layer.sliding_window + 1)
-        hot_from = start - layer.hot_length
+        visible_from, hot_from = layer.attended_range()
         if visible_from >= hot_from:
             return
         pieces = layer.store.pieces_in(visible_from, hot_from)
@@ -995,14 +1000,6 @@ def _prefetcher() -> ThreadPoolExecutor:
     if _PREFETCHER is None:
         _PREFETCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvchat-prefetch")
     return _PREFETCHER
-
-
-def install_attention(adapter: ArchAdapter) -> None:
-    """Route the model's attention through kvchat's (kvchat.kvdirect.attention): the exact
-    kernel every cache runs, and the streamed path this cache's layers need."""
-    from kvchat.kvdirect.attention import install
-
-    install([adapter.attention_module(i) for i in range(adapter.num_layers)], adapter.model)
 
 
 def _need(layer: KVDirectLayer) -> int:

@@ -118,8 +118,7 @@ def tiny_model(
             if p.dim() >= 2:
                 p.mul_(4.0)
     if kvchat_attention:
-        from kvchat.kvdirect.arch import ArchAdapter
-        from kvchat.kvdirect.cache import install_attention
+        from kvchat.kvdirect.attention import route
 
-        install_attention(ArchAdapter(model))
+        route(model)
     return model

@@ -54,12 +54,12 @@ class LoadedModel:
     def install_attention(self) -> None:
         """Route the model's attention through kvchat's (``kvchat.kvdirect.attention``)."""
         from kvchat.kvdirect.arch import UnsupportedArchitectureError
-        from kvchat.kvdirect.cache import install_attention
+        from kvchat.kvdirect.attention import route
 
         try:
-            install_attention(self.adapter())
+            route(self.model, self.adapter())
         except UnsupportedArchitectureError:
-            pass  # no KV-Direct cache for it either: the model's own attention serves
+            route(self.model)  # no adapter: recorded as such, its own attention serves
 
 
 def fingerprint(config: PretrainedConfig, weights_mode: str, model_dir: Path | None) -> str:
