@@ -32,6 +32,8 @@ MODES = (
     ("bfloat16 (--dtype bfloat16)", "bfloat16", "none"),
     ("int8 (--weights int8)", "float32", "int8"),
     ("int4 (--weights int4)", "float32", "int4"),
+    # what --weights auto --dtype auto run for a bfloat16 checkpoint
+    ("int4 + bfloat16 compute (auto, bf16 checkpoint)", "bfloat16", "int4"),
 )
 
 

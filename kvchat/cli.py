@@ -80,8 +80,8 @@ def model_options(fn: Callable) -> Callable:
     options = [
         click.option("--model", "-m", default=None, help="Alias, HF repo id, model dir or .gguf file (default: smollm2-135m)."),
         click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
-        click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
-        click.option("--weights", type=click.Choice(["auto", "none", "int8", "int4"]), default="auto", show_default=True, help="auto: int4 for a model converted from a GGUF on CPU, else none; none: full precision in --dtype; int8 / int4: weight-only quantized (torch's native CPU kernels)."),
+        click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True, help="auto: the checkpoint's own dtype on CPU (bfloat16 stays bfloat16; float16 runs as float32), bfloat16 on CUDA/MPS."),
+        click.option("--weights", type=click.Choice(["auto", "none", "int8", "int4"]), default="auto", show_default=True, help="auto: int4 on CPU for any safetensors checkpoint or GGUF, else none; none: full precision in --dtype; int8 / int4: weight-only quantized (torch's native CPU kernels)."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: physical cores, or OMP_NUM_THREADS)."),
         click.option("--decode-threads", type=click.IntRange(min=1), default=None, help="CPU threads for one-token decode steps (default: 1 for weights up to 192 MiB, where it measured faster, else --threads)."),
         click.option("--cache", "cache_kind", type=click.Choice(["kvdirect", "standard"]), default="kvdirect", show_default=True, help="KV-Direct, or transformers' own DynamicCache for comparison."),

@@ -88,3 +88,41 @@ def gemma270m_loaded():
     from kvchat.models.load import load
 
     return load("gemma-3-270m", device=_device(), dtype="float32")
+
+
+def write_bf16_checkpoint(source: Path, target: Path) -> Path:
+    """``source``'s model as a bfloat16 safetensors checkpoint in ``target`` (how models are
+    published on the hub), with its tokenizer and config; no ``kvchat-source.json``, so it
+    loads as any downloaded float checkpoint does."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from kvchat.models.weights_file import read_tensors
+
+    target.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "kvchat-source.json":
+            shutil.copy(f, target / f.name)
+    config = json.loads((target / "config.json").read_text("utf-8"))
+    config["dtype"] = "bfloat16"
+    (target / "config.json").write_text(json.dumps(config), "utf-8")
+    tensors = {n: t.to(torch.bfloat16) for n, t in read_tensors(source / "model.safetensors")}
+    save_file(tensors, target / "model.safetensors")
+    return target
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a bfloat16 checkpoint (its weights, cast), in a tmp dir."""
+    return write_bf16_checkpoint(smollm2_dir, tmp_path_factory.mktemp("smollm2-bf16"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16_default(smollm2_bf16_dir: Path):
+    """The bf16 checkpoint loaded with kvchat's defaults (``--weights auto --dtype auto``)."""
+    from kvchat.models.load import load
+
+    return load(str(smollm2_bf16_dir), device=_device(), dtype="auto", weights="auto")

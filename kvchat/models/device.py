@@ -3,6 +3,7 @@ resolved. torch is imported inside the functions."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat.errors import ModelLoadError
@@ -55,9 +56,17 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` → float32 on CPU (exact, and CPU fp16 kernels are slow), bfloat16 on CUDA/MPS
-    (float16 only on GPUs without bf16; Gemma 3 overflows in float16)."""
+def pick_dtype(
+    dtype: str, device: torch.device, checkpoint_dtype: str | None = None
+) -> torch.dtype:
+    """The compute dtype for ``--dtype``; ``auto`` (the default) keeps the checkpoint's own.
+
+    ``auto``: on CPU the checkpoint's dtype (``checkpoint_dtype``, see
+    :func:`checkpoint_dtype`) when it is bfloat16 or float32, so a bf16 checkpoint is never
+    widened to twice its size; float16 checkpoints run in float32 on CPU (CPU float16 kernels
+    are slow, and Gemma 3 overflows in float16); float32 when the dtype is unknown. On
+    CUDA/MPS bfloat16 (float16 only on GPUs without bf16).
+    """
     import torch
 
     name = _DTYPE_ALIASES.get(dtype.strip().lower(), dtype.strip().lower())
@@ -66,7 +75,31 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         if device.type == "mps":
             return torch.bfloat16
-        return torch.float32
+        return torch.bfloat16 if checkpoint_dtype == "bfloat16" else torch.float32
     if name not in _DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return getattr(torch, _DTYPES[name])
+
+
+_SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def checkpoint_dtype(model_dir: Path | None) -> str | None:
+    """The float dtype most of a checkpoint's weight bytes are stored in (read from the
+    safetensors headers, which is what the bytes are, not what config.json says), or None."""
+    from kvchat.models.weights_file import read_header
+
+    if model_dir is None:
+        return None
+    counts: dict[str, int] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            entries, _meta, _start = read_header(path)
+        except (OSError, ValueError):
+            continue
+        for entry in entries.values():
+            name = _SAFETENSORS_FLOATS.get(entry.get("dtype", ""))
+            if name is not None:
+                begin, end = entry["data_offsets"]
+                counts[name] = counts.get(name, 0) + end - begin
+    return max(counts, key=counts.__getitem__) if counts else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvchat.errors import ModelLoadError
-from kvchat.models.device import pick_device, pick_dtype
+from kvchat.models.device import checkpoint_dtype, pick_device, pick_dtype
 from kvchat.models.loaded import LoadedModel
 from kvchat.models.messages import Progress, one_line, quiet_transformers
 from kvchat.models.quantize import WEIGHT_MODES, auto_weights, weights_nbytes
@@ -16,7 +16,7 @@ def load(
     spec: str,
     *,
     device: str = "auto",
-    dtype: str = "float32",
+    dtype: str = "auto",
     weights: str = "none",
     threads: int | None = None,
     decode_threads: int | None = None,
@@ -100,8 +100,8 @@ def load_model(
     if weights not in WEIGHT_MODES:
         raise ModelLoadError(f"unknown weights mode {weights!r}; use {', '.join(WEIGHT_MODES)}")
     dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, dev)
     path = resolved.path
+    torch_dtype = pick_dtype(dtype, dev, checkpoint_dtype(path))
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

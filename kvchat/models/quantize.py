@@ -35,18 +35,18 @@ CHOICES: tuple[str, ...] = ("auto", *WEIGHT_MODES)
 def auto_weights(model_dir: Any, device_type: str) -> str:
     """What ``--weights auto`` (the default) means for a model directory on a device.
 
-    int4 for a model converted from a GGUF (kvchat writes ``kvchat-source.json`` beside it)
-    on CPU: its linears were 4-bit in the file, and int4 group 32 re-expresses Q4_1 blocks
-    exactly; measured on SmolLM2-135M against the dequantized float32 weights over 3,071
-    tokens of real text (benchmarks/bench_weights.py): top-1 agreement 96.1 % and mean NLL
-    +0.003 nats (bfloat16: 96.2 %, +0.001; int8: 94.8 %, +0.007) at 91 MiB of weights
-    (float32 513, bfloat16 257, int8 129). Full precision ("none") otherwise: float
-    checkpoints would lose to requantization, and off CPU the quantized layers are not fast.
+    On CPU, int4 for every checkpoint kvchat can read tensor by tensor (safetensors): the
+    weights are most of a chat process's memory, and int4 holds a bf16 checkpoint in about a
+    quarter of its bytes. A model converted from a GGUF had 4-bit linears in the file, which
+    int4 group 32 re-expresses (exactly for Q4_0/Q4_1). The quality of each choice, against
+    the float weights on real text, is measured by ``benchmarks/bench_weights.py`` and stated
+    in the README. Full precision ("none") off the CPU, where the quantized layers are not
+    fast, and for checkpoints without safetensors files.
     """
     from pathlib import Path
 
     if device_type == "cpu" and model_dir is not None:
-        if (Path(model_dir) / "kvchat-source.json").is_file():
+        if any(Path(model_dir).glob("*.safetensors")):
             return "int4"
     return "none"
 

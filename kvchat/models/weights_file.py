@@ -34,7 +34,7 @@ _DTYPES = {
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
-__all__ = ["TensorWriter", "read_header", "read_tensors"]
+__all__ = ["LazyTensor", "TensorWriter", "lazy_tensors", "read_header", "read_tensors"]
 
 
 def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
@@ -49,23 +49,56 @@ def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
 def read_tensors(path: Path, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for each tensor (or each of ``names``), in file order, each in
     memory of its own."""
+    for lazy in lazy_tensors(path, names):
+        yield lazy.name, lazy.read()
+
+
+class LazyTensor:
+    """One tensor of a safetensors file, read when asked: whole, or a block of rows at a
+    time (so a vocabulary table can be converted without ever being held whole)."""
+
+    def __init__(self, path: Path, name: str, entry: dict, data_start: int) -> None:
+        self.path, self.name = path, name
+        self.dtype: torch.dtype = _DTYPES[entry["dtype"]]
+        self.shape: list[int] = list(entry["shape"])
+        begin, end = entry["data_offsets"]
+        self._begin, self.nbytes = data_start + begin, end - begin
+
+    def read(self) -> torch.Tensor:
+        return self._read_bytes(self._begin, self.nbytes).view(self.dtype).reshape(self.shape)
+
+    def rows(self, block: int) -> Iterator[torch.Tensor]:
+        """The tensor ``block`` rows (first dimension) at a time, each in memory of its own."""
+        if not self.shape:
+            yield self.read()
+            return
+        row_bytes = self.nbytes // max(self.shape[0], 1)
+        for start in range(0, self.shape[0], block):
+            n = min(block, self.shape[0] - start)
+            raw = self._read_bytes(self._begin + start * row_bytes, n * row_bytes)
+            yield raw.view(self.dtype).reshape([n, *self.shape[1:]])
+
+    def _read_bytes(self, offset: int, nbytes: int) -> torch.Tensor:
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(raw.numpy())
+        with open(self.path, "rb", buffering=0) as fh:
+            fh.seek(offset)
+            got = 0
+            while got < nbytes:
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise OSError(f"{self.path.name} ends inside tensor {self.name!r}")
+                got += n
+        return raw
+
+
+def lazy_tensors(path: Path, names: list[str] | None = None) -> Iterator[LazyTensor]:
+    """A :class:`LazyTensor` for each tensor (or each of ``names``), in file order."""
     entries, _meta, start = read_header(path)
     wanted = entries if names is None else {n: entries[n] for n in names}
     ordered = sorted(wanted.items(), key=lambda item: item[1]["data_offsets"][0])
-    with open(path, "rb", buffering=0) as fh:
-        for name, entry in ordered:
-            begin, end = entry["data_offsets"]
-            dtype = _DTYPES[entry["dtype"]]
-            raw = torch.empty(end - begin, dtype=torch.uint8)
-            fh.seek(start + begin)
-            view = memoryview(raw.numpy())
-            got = 0
-            while got < len(view):
-                n = fh.readinto(view[got:])
-                if not n:
-                    raise OSError(f"{path.name} ends inside tensor {name!r}")
-                got += n
-            yield name, raw.view(dtype).reshape(entry["shape"])
+    for name, entry in ordered:
+        yield LazyTensor(Path(path), name, entry, start)
 
 
 class TensorWriter:
@@ -88,6 +121,28 @@ class TensorWriter:
         self._entries[name] = {
             "dtype": _NAMES[tensor.dtype],
             "shape": list(tensor.shape),
+            "data_offsets": [self._offset, self._offset + nbytes],
+        }
+        self._offset += nbytes
+
+    def add_rows(
+        self, name: str, dtype: torch.dtype, shape: list[int], blocks: Iterator[torch.Tensor]
+    ) -> None:
+        """Append one tensor given as consecutive blocks of rows (never held whole)."""
+        nbytes = 0
+        for block in blocks:
+            block = block.detach().cpu().contiguous()
+            if block.dtype != dtype:
+                raise ValueError(f"{name}: a {block.dtype} block in a {dtype} tensor")
+            raw = block.reshape(-1).view(torch.uint8)
+            self._data.write(memoryview(raw.numpy()))
+            nbytes += raw.numel()
+        expected = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        if nbytes != expected:
+            raise ValueError(f"{name}: {nbytes} bytes written for a {expected}-byte tensor")
+        self._entries[name] = {
+            "dtype": _NAMES[dtype],
+            "shape": list(shape),
             "data_offsets": [self._offset, self._offset + nbytes],
         }
         self._offset += nbytes

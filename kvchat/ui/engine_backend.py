@@ -48,8 +48,8 @@ class EngineBackend:
         loaded = load(
             self.launch.model,
             device=self.opts.get("device") or "auto",
-            dtype=self.opts.get("dtype") or "float32",
-            weights=self.opts.get("weights") or "none",
+            dtype=self.opts.get("dtype") or "auto",
+            weights=self.opts.get("weights") or "auto",
             threads=self.opts.get("threads"),
             decode_threads=self.opts.get("decode_threads"),
             progress=progress,
@@ -71,7 +71,7 @@ class EngineBackend:
             kind=o.get("cache_kind") or "kvdirect",
             max_mem=o.get("max_mem"),
             hot_window=o.get("hot_window"),
-            checkpoint=o.get("checkpoint") or "residual",
+            checkpoint=o.get("checkpoint") or "auto",
             prefill_chunk=o.get("prefill_chunk") or 256,
         )
 

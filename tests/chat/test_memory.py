@@ -131,3 +131,43 @@ def test_rss_growth_stays_within_the_ceiling_plus_allowance(smollm2_loaded):
     if on_cuda:
         grew = torch.cuda.max_memory_allocated() - cuda_baseline
         assert grew <= ceiling + RSS_ALLOWANCE, f"device memory grew {grew / 2**20:.1f} MiB"
+
+
+def test_a_bf16_model_keeps_its_state_in_bf16_like_the_standard_cache(smollm2_bf16_default):
+    """A bf16 checkpoint under the defaults keeps K/V and residual checkpoints in bf16: the
+    bytes held equal what transformers' own DynamicCache holds for the same tokens (counted
+    from its tensors, not from kvchat's accounting), and checkpoints are bf16 tensors."""
+    loaded = smollm2_bf16_default
+    prompts = ("Tell me about the moon.", "And the sun?")
+    reply = SamplingSettings(max_new_tokens=30)
+    standard = ChatSession(loaded, cache=CacheSettings(kind="standard"))
+    for prompt in prompts:
+        standard.send(prompt, reply)
+    dynamic_bytes = sum(
+        t.numel() * t.element_size()
+        for layer in standard.cache.layers
+        for t in (layer.keys, layer.values)
+    )
+    assert {layer.keys.dtype for layer in standard.cache.layers} == {torch.bfloat16}
+    standard.close()
+
+    unbounded = ChatSession(loaded, cache=CacheSettings())
+    for prompt in prompts:
+        unbounded.send(prompt, reply)
+    assert unbounded.memory().hot_kv_bytes == dynamic_bytes
+    unbounded.close()
+
+    bounded = ChatSession(loaded, cache=CacheSettings(max_mem=2 * 2**20, checkpoint="residual"))
+    for prompt in prompts:
+        bounded.send(prompt, reply)
+    mem = bounded.memory()
+    assert mem.checkpointed_tokens > 0
+    assert mem.hot_kv_bytes + mem.checkpoint_bytes == storage_bytes_held(bounded.cache)
+    held = {
+        t.dtype
+        for layer in bounded.cache.layers
+        for t in [layer.keys, layer.values] + [p.resident for p in layer.store.pieces]
+        if t is not None and t.numel()
+    }
+    bounded.close()
+    assert held == {torch.bfloat16}, held

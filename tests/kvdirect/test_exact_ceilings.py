@@ -208,3 +208,15 @@ def test_float_weights_give_transformers_generate_tokens(smollm2_loaded, smollm2
         assert ours.tokens == expected
         compared += len(expected)
     assert compared >= 60
+
+
+def test_a_bf16_checkpoint_under_the_defaults_every_ceiling(
+    smollm2_bf16_default, tmp_path, monkeypatch
+):
+    """What a downloaded bf16 checkpoint runs by default (int4 weights, bf16 compute and
+    state) gives the unbounded run's bits under every ceiling."""
+    assert smollm2_bf16_default.dtype == "bfloat16"
+    assert smollm2_bf16_default.weights_mode == "int4"
+    assert_every_ceiling_exact(
+        smollm2_bf16_default, [2_000_000, 1_000_000, 500_000], tmp_path, monkeypatch
+    )
