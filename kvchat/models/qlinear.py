@@ -50,6 +50,8 @@ __all__ = [
     "Int4Linear",
     "Int8Embedding",
     "Int8Linear",
+    "dequantize_int4",
+    "int4_holds",
     "int4_mm",
     "int4_supported",
     "int8_mm",
@@ -80,8 +82,16 @@ def int4_supported(weight: torch.Tensor) -> bool:
     return k % GROUP == 0 and n % 8 == 0
 
 
-def quantize_int4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Asymmetric int4 per group of :data:`GROUP` input columns (min/max), nibble-packed."""
+def quantize_int4(weight: torch.Tensor, *, recover_grid: bool = False) -> dict[str, torch.Tensor]:
+    """Asymmetric int4 per group of :data:`GROUP` input columns, nibble-packed.
+
+    Each group's step is (max - min) / 15 (min/max), unless ``recover_grid``: then a group
+    whose values already sit on a grid of ``k <= 15`` steps between its min and max (what a
+    GGUF Q4_0, Q4_1 or Q4_K block dequantizes to) gets that grid's step, so its 4-bit codes
+    are the file's own and the values come back (:func:`dequantize_int4`) to float32
+    rounding. min/max alone re-expresses only the blocks whose codes reach both 0 and 15:
+    every Q4_1 block, but few Q4_0 or Q4_K ones.
+    """
     n, k = weight.shape
     packed = torch.empty(n, k // 2, dtype=torch.uint8, device=weight.device)
     scales = torch.empty(n, k // GROUP, dtype=torch.float32, device=weight.device)
@@ -90,13 +100,54 @@ def quantize_int4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
         w = weight[start : start + _ROWS].float()
         w = w.reshape(w.shape[0], k // GROUP, GROUP)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        s = ((hi - lo) / 15.0).clamp(min=1e-12)
+        steps = _grid_steps(w, lo, hi - lo) if recover_grid else 15.0
+        s = ((hi - lo) / steps).clamp(min=1e-12)
         q = torch.round((w - lo[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8)
         q = q.reshape(q.shape[0], k)
         packed[start : start + _ROWS] = q[:, 0::2] | (q[:, 1::2] << 4)
         scales[start : start + _ROWS] = s
         zeros[start : start + _ROWS] = lo + 8.0 * s
     return {"qweight": packed, "scales": scales, "zeros": zeros}
+
+
+# A group is on a k-step grid when every value is within this fraction of a step of it: the
+# dequantized GGUF values carry float32 rounding, a thousandth of a step is far above it.
+GRID_TOLERANCE = 1e-3
+
+
+def _grid_steps(w: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """Per group, the fewest steps ``k`` (1..15) whose grid from min to max holds every
+    value; 15 for a group on no such grid (a float tensor's)."""
+    steps = torch.full_like(lo, 15.0)
+    offset = w - lo[..., None]
+    for k in range(15, 0, -1):
+        step = (span / k).clamp(min=1e-30)[..., None]
+        r = offset / step
+        on_grid = (r - r.round()).abs().amax(dim=-1) <= GRID_TOLERANCE
+        steps = torch.where(on_grid, torch.full_like(steps, float(k)), steps)
+    return steps
+
+
+def dequantize_int4(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float32 ``[N, K]`` weight an int4 form stands for: ``(q - 8) * s + z``."""
+    q = _unpack_int4(parts["qweight"]).float()
+    n, k = q.shape
+    q = q.reshape(n, k // GROUP, GROUP)
+    w = (q - 8) * parts["scales"][..., None] + parts["zeros"][..., None]
+    return w.reshape(n, k)
+
+
+def int4_holds(weight: torch.Tensor, parts: dict[str, torch.Tensor]) -> bool:
+    """Whether ``parts`` (from :func:`quantize_int4`) gives ``weight`` back: every value
+    within :data:`GRID_TOLERANCE` of its group's step, i.e. the tensor was on 4-bit grids."""
+    for start in range(0, weight.shape[0], _ROWS):
+        rows = slice(start, start + _ROWS)
+        chunk = {name: part[rows] for name, part in parts.items()}
+        w = weight[rows].float()
+        err = (dequantize_int4(chunk) - w).reshape(w.shape[0], -1, GROUP).abs().amax(dim=-1)
+        if bool((err > GRID_TOLERANCE * chunk["scales"] + 1e-7).any()):
+            return False
+    return True
 
 
 def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:

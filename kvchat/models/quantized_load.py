@@ -10,7 +10,8 @@ Two passes, both holding at most one float tensor at a time:
    ``Int8Linear`` / ``Int4Linear``, the embedding by ``Int8Embedding``.
 
 What is quantized: every ``nn.Linear`` inside the decoder, to the mode (int4 falls back to
-int8 for a shape its kernel cannot take); the vocabulary matrix to int8 per row, shared by
+int8 for a shape its kernel cannot take, and, for a model from a GGUF, for a tensor the file
+kept at more than 4 bits; see ``quantize_linear``); the vocabulary matrix to int8 per row, shared by
 the embedding and a tied ``lm_head`` (one copy, as in the float model; per-row scales suit
 both, since a row is a token in either use). Norms and biases stay float in ``--dtype``.
 """
@@ -38,7 +39,8 @@ from kvchat.models.weights_file import (
     read_tensors,
 )
 
-FORMAT = "kvchat-weights-1"
+# 2: a model from a GGUF keeps its 4-bit grids, and its wider tensors go to int8 (below).
+FORMAT = "kvchat-weights-2"
 _PARTS = ("qweight", "scales", "zeros")
 
 __all__ = ["FORMAT", "load_quantized", "small_form_path"]
@@ -144,6 +146,19 @@ def _write_vocab(writer: TensorWriter, target: str, table: LazyTensor) -> None:
     writer.add(f"{target}.scales", torch.cat(scales))
 
 
+def quantize_linear(tensor: torch.Tensor, mode: str, from_gguf: bool) -> dict:
+    """One decoder Linear's small form: int4 (group 32) in int4 mode where the kernel takes
+    the shape, else int8 per row. From a GGUF, int4 takes the file's own 4-bit codes (Q4_0,
+    Q4_1, Q4_K re-expressed), and a tensor the file kept wider (Q5_*, Q6_K, Q8_0, float)
+    goes to int8: requantized to 4 bits, Gemma 3 270M's Q5_0/Q8_0 tensors cost 0.22 nats of
+    NLL and a third of its top-1 agreement (benchmarks/bench_weights.py)."""
+    if mode == "int4" and qlinear.int4_supported(tensor):
+        parts = qlinear.quantize_int4(tensor, recover_grid=from_gguf)
+        if not from_gguf or qlinear.int4_holds(tensor, parts):
+            return parts
+    return qlinear.quantize_int8(tensor)
+
+
 def _write_small_form(
     model_dir: Path, config: Any, mode: str, path: Path, key_mapping: dict[str, str]
 ) -> None:
@@ -154,6 +169,8 @@ def _write_small_form(
         path, {"format": FORMAT, "mode": mode, "group": str(qlinear.GROUP), "tied": str(tied)}
     )
     vocab_done = False
+    # A model kvchat converted from a GGUF: its tensors are the file's dequantized values.
+    from_gguf = (Path(model_dir) / "kvchat-source.json").is_file()
     try:
         for name, lazy in _source_tensors(model_dir, key_mapping):
             module, _, attr = name.rpartition(".")
@@ -166,8 +183,7 @@ def _write_small_form(
                 continue
             tensor = lazy.read()
             if attr == "weight" and module in linears:
-                use4 = mode == "int4" and qlinear.int4_supported(tensor)
-                parts = (qlinear.quantize_int4 if use4 else qlinear.quantize_int8)(tensor)
+                parts = quantize_linear(tensor, mode, from_gguf)
                 for part, value in parts.items():
                     writer.add(f"{module}.{part}", value)
             else:

@@ -316,3 +316,53 @@ def test_auto_dtype_keeps_a_bf16_checkpoint_bf16_on_cpu(tmp_path: Path) -> None:
         assert pick_dtype("float32", cpu, checkpoint_dtype(ckpt)) == torch.float32
     assert checkpoint_dtype(tmp_path / "missing") is None
     assert pick_dtype("auto", cpu, None) == torch.float32
+
+
+def _gguf_values(qtype_name: str, rows: int = 64, cols: int = 512) -> torch.Tensor:
+    """What gguf's own dequantizer gives for a ``qtype`` tensor: quantized by gguf from
+    normal weights, or (K-quants, which gguf cannot quantize) random valid blocks."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[qtype_name]
+    rng = np.random.default_rng(0)
+    if qtype_name.endswith("_K"):
+        block_elems, block_bytes = quants.GGML_QUANT_SIZES[qtype]
+        blocks = rows * cols // block_elems
+        raw = rng.integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
+        scale = np.full(blocks, 0.001, np.float16).view(np.uint8).reshape(blocks, 2)
+        raw[:, :2] = scale  # Q4_K and Q5_K: d, dmin first; keep both finite
+        raw[:, 2:4] = scale
+        if qtype_name == "Q6_K":
+            raw[:, -2:] = scale  # Q6_K: d last
+        data = raw.reshape(rows, -1)
+    else:
+        data = quants.quantize((rng.standard_normal((rows, cols)) * 0.02).astype(np.float32), qtype)
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(data, qtype)))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_takes_a_gguf_4bit_tensor_codes_and_all(qtype: str) -> None:
+    """Q4_0, Q4_1 and Q4_K blocks re-expressed in int4 group 32: every value back as gguf's
+    dequantizer gives it. min/max alone did so only for Q4_1."""
+    from kvchat.models import qlinear
+
+    weight = _gguf_values(qtype)
+    parts = qlinear.quantize_int4(weight, recover_grid=True)
+    assert qlinear.int4_holds(weight, parts)
+    assert torch.allclose(qlinear.dequantize_int4(parts), weight, rtol=0, atol=1e-7)
+    if qtype != "Q4_1":
+        plain = qlinear.quantize_int4(weight)
+        assert not qlinear.int4_holds(weight, plain)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_K", "Q6_K", "Q8_0"])
+def test_a_gguf_tensor_wider_than_4_bits_goes_to_int8(qtype: str) -> None:
+    from kvchat.models import qlinear, quantized_load
+
+    weight = _gguf_values(qtype)
+    assert not qlinear.int4_holds(weight, qlinear.quantize_int4(weight, recover_grid=True))
+    parts = quantized_load.quantize_linear(weight, "int4", from_gguf=True)
+    assert parts["qweight"].dtype == torch.int8 and "zeros" not in parts
+    # a float checkpoint's tensors are int4 in int4 mode (min/max), whatever their values
+    assert "zeros" in quantized_load.quantize_linear(weight, "int4", from_gguf=False)
