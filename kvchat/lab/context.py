@@ -25,6 +25,23 @@ class LabContext:
         folder.mkdir(parents=True, exist_ok=True)
         return folder / f"{name}.png", f"figures/{name}.png"
 
+    def pyplot(self, what: str) -> Any | None:
+        """matplotlib's pyplot (headless), or None, with a line saying so, when it is not
+        installed: plots are optional (``pip install -e ".[lab]"``), and the JSON and the
+        report are written either way."""
+        try:
+            import matplotlib
+        except ImportError:
+            self.say(
+                f"  matplotlib is not installed: no {what} figure "
+                '(pip install -e ".[lab]" for the plots)'
+            )
+            return None
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        return plt
+
     def save_figure(self, fig: Any, name: str) -> str:
         """Write ``fig`` as figures/NAME.png, close it, and return the path for the report."""
         import matplotlib.pyplot as plt

@@ -516,11 +516,10 @@ def _rss_line(standard: Run, kv: Run) -> str:
 
 def _plot(ctx: LabContext, standard: Run, attempts: list[Run], target: int) -> str | None:
     """Bytes per turn (standard, KV-Direct, ceiling) above, process RSS below."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        ctx.say("  matplotlib is not installed: no conversation figure")
+    if ctx.pyplot("conversation") is None:
         return None
+    from matplotlib.figure import Figure
+
     kv = attempts[-1]
     fig = Figure(figsize=(8, 7.5), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])

@@ -462,8 +462,11 @@ def run(ctx: LabContext) -> Section:
         ("token_match", "eviction_token_match", "token match (free-running greedy)"),
         ("mean_kl", "eviction_kl", "mean KL(P_ref || P_policy), nats"),
     ):
+        plt = ctx.pyplot("eviction")
+        if plt is None:
+            break
         path, rel = ctx.figure(name)
-        _plot(path, rows, workloads, budgets, metric, label)
+        _plot(plt, path, rows, workloads, budgets, metric, label)
         section.figures.append(rel)
     section.claims.extend(_claims(rows, budgets))
     section.summary = _summary(rows, workloads, budgets)
@@ -520,6 +523,7 @@ def _table(rows: list[dict[str, Any]], workloads: list[dict[str, Any]]) -> Table
 
 
 def _plot(
+    plt: Any,
     path: Any,
     rows: list[dict[str, Any]],
     workloads: list[dict[str, Any]],
@@ -527,11 +531,6 @@ def _plot(
     metric: str,
     ylabel: str,
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(
         1, max(1, len(workloads)), figsize=(4.6 * max(1, len(workloads)), 3.8), squeeze=False
     )

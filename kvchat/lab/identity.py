@@ -301,10 +301,9 @@ def _real(results: list[dict[str, Any]]) -> list[str]:
 
 
 def _figure(ctx: LabContext, results: list[dict[str, Any]]) -> str | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = ctx.pyplot("identity")
+    if plt is None:
+        return None
 
     names = _real(results)
     if not names:

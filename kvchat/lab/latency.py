@@ -557,11 +557,10 @@ def _cold_line(results: dict[str, Any]) -> str:
 
 
 def _plot(ctx: LabContext, results: dict[str, Any]) -> str | None:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        ctx.say("  matplotlib is not installed: no latency figure")
+    if ctx.pyplot("latency") is None:
         return None
+    from matplotlib.figure import Figure
+
     panels = [(m, c) for m, res in results.items() for c in res["contexts"]]
     cols = max(len(res["contexts"]) for res in results.values())
     rows = len(results)

@@ -308,10 +308,9 @@ def run(ctx: LabContext) -> Section:
 
 
 def _figure(ctx: LabContext, runs: list[dict[str, Any]]) -> str | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = ctx.pyplot("Markov")
+    if plt is None:
+        return None
     from matplotlib.ticker import MaxNLocator
 
     if not runs:

@@ -223,10 +223,9 @@ def _one_line(text: str, limit: int = 160) -> str:
 
 
 def _figure(ctx: LabContext, runs: list[dict[str, Any]]) -> str | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = ctx.pyplot("no-cache")
+    if plt is None:
+        return None
 
     if not runs:
         return None

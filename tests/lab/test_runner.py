@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
+
+import pytest
 
 from kvchat.lab.context import LabContext
 from kvchat.lab.report import Claim, Section, Table
@@ -36,3 +39,32 @@ def test_run_suite_keeps_going_and_records_the_failure(tmp_path):
     report = paths["markdown"].read_text()
     assert "**Failed:** `RuntimeError: no model here`" in report
     assert "![empty](figures/empty.png)" in report and "| 2 | -   |" in report
+
+
+def plotted(ctx: LabContext) -> Section:
+    plt = ctx.pyplot("test")
+    figures = []
+    if plt is not None:
+        fig, ax = plt.subplots()
+        ax.plot([0, 1], [1, 0])
+        figures.append(ctx.save_figure(fig, "line"))
+    return Section(key="plotted", title="Plotted", figures=figures)
+
+
+def test_without_matplotlib_the_reports_are_written_and_the_plots_explained(tmp_path, monkeypatch):
+    said: list[str] = []
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    ctx = LabContext(results_dir=tmp_path, say=said.append)
+    sections, paths = run_suite("verify", ctx, [("plotted", plotted)], "kvchat verify")
+    assert sections[0].error is None and sections[0].figures == []
+    assert json.loads(paths["json"].read_text())["sections"][0]["key"] == "plotted"
+    assert paths["markdown"].is_file()
+    assert any('pip install -e ".[lab]"' in line for line in said), said
+
+
+def test_with_matplotlib_the_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    ctx = LabContext(results_dir=tmp_path, say=lambda _m: None)
+    sections, _paths = run_suite("verify", ctx, [("plotted", plotted)], "kvchat verify")
+    assert sections[0].figures == ["figures/line.png"]
+    assert (tmp_path / "figures" / "line.png").stat().st_size > 0
