@@ -127,18 +127,15 @@ def measure(row: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    env = dict(os.environ)
-    fresh = None
+    """One row in a fresh process. Every row shares one cache directory of the benchmark's
+    own, empty when the first row starts, so that row quantizes and the others find the
+    small form it wrote."""
+    env = dict(os.environ, KVCHAT_CACHE_DIR=args.cache)
     if ROWS[name].get("fresh_cache"):
-        fresh = tempfile.mkdtemp(prefix="kvchat-fit-cache-", dir=args.cache_parent)
-        env["KVCHAT_CACHE_DIR"] = fresh
+        shutil.rmtree(args.cache, ignore_errors=True)
     cmd = [sys.executable, __file__, "--one", name, "--dir", args.dir,
            "--ids-file", args.ids_file, "--new-tokens", str(args.new_tokens)]  # fmt: skip
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
-    finally:
-        if fresh is not None:
-            shutil.rmtree(fresh, ignore_errors=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         tail = (out.stderr or "").strip().splitlines()[-3:]
@@ -154,7 +151,7 @@ def main() -> None:
     parser.add_argument("--json", default="results/bench_fit.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--ids-file", help=argparse.SUPPRESS)
-    parser.add_argument("--cache-parent", default=None, help=argparse.SUPPRESS)
+
     args = parser.parse_args()
     if args.one:
         print("RESULT " + json.dumps(measure(ROWS[args.one], args)))
@@ -165,7 +162,7 @@ def main() -> None:
     harness.say(f"load average at start: {env['loadavg_at_start']}")
     directory = write_checkpoint(Path(args.dir))
     args.dir = str(directory)
-    args.cache_parent = str(directory.parent)
+    args.cache = tempfile.mkdtemp(prefix="kvchat-fit-cache-", dir=directory.parent)
     checkpoint_bytes = (directory / "model.safetensors").stat().st_size
     args.ids_file = common.story_prompt_file(args.dir, args.prompt_tokens, args.json)
     results: dict[str, Any] = {}
@@ -208,6 +205,7 @@ def main() -> None:
     bounded = results["default, --max-mem 64MB"]["decode_tps"] / results["default"]["decode_tps"]
     print(f"--max-mem 64MB: decode {bounded:.2f}x the unbounded default's; same tokens: {same}")
     print(f"load average at end: {os.getloadavg()}")
+    shutil.rmtree(args.cache, ignore_errors=True)
     harness.save_run(
         args.json,
         "bench_fit",

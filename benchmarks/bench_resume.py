@@ -186,7 +186,7 @@ def run_baseline(
 
 # -- the benchmark ----------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    from kvchat.kvdirect.planner import parse_size
+    from kvchat.units import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=common.DEFAULT_MODEL)

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
 
-from kvchat.chat.memory import process_rss as rss  # noqa: E402  (imports no torch)
 from kvchat.lab import harness  # noqa: E402
+from kvchat.units import process_rss as rss  # noqa: E402  (imports no torch)
 
 _START = """
 import json, sys, time

@@ -34,7 +34,7 @@ MAX_MAX_MEM = 2**50  # 1 PiB
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    from kvchat.kvdirect.planner import human_bytes, parse_size
+    from kvchat.units import human_bytes, parse_size
 
     try:
         size = parse_size(value)

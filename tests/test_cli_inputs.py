@@ -115,7 +115,7 @@ def test_every_model_command_takes_a_data_dir(command):
 
 
 def test_sizes_print_in_sensible_units():
-    from kvchat.kvdirect.planner import human_bytes
+    from kvchat.units import human_bytes
 
     assert human_bytes(3 * 2**40) == "3.0 TiB"
     assert human_bytes(2**50) == "1.0 PiB"

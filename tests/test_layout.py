@@ -15,13 +15,14 @@ import pytest
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "kvchat"
 
 # What each part of kvchat may import from the others. A part is a subpackage, or one of
-# the top-level modules (cli, errors, paths). Lower layers never reach up.
-BASE = {"errors", "paths", "threads"}
+# the top-level modules (cli, errors, paths, threads, units). Lower layers never reach up.
+BASE = {"errors", "paths", "threads", "units"}
 MAY_IMPORT: dict[str, set[str]] = {
     "kvchat": set(),  # the package's __init__
     "errors": set(),
     "paths": set(),
     "threads": set(),
+    "units": set(),
     "storage": BASE,
     "kvdirect": BASE | {"storage"},
     "models": BASE | {"storage", "kvdirect"},

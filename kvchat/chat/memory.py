@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from kvchat.chat.memory_snapshot import MemorySnapshot
+from kvchat.units import process_rss
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -59,12 +60,6 @@ class AccountedSession(Protocol):
     def compute_seconds(self) -> float: ...
 
     def disk_bytes(self) -> int: ...
-
-
-def process_rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
 
 
 def _standard_cache_bytes(cache: DynamicCache) -> int:
@@ -161,7 +156,7 @@ def snapshot(session: AccountedSession) -> MemorySnapshot:
 
 def format_memory_line(mem: MemorySnapshot) -> str:
     """The one-line summary printed after each reply."""
-    from kvchat.kvdirect.planner import human_bytes
+    from kvchat.units import human_bytes
 
     ceiling = mem.ceiling_bytes
     state = human_bytes(mem.state_bytes)
@@ -182,7 +177,7 @@ def format_memory_line(mem: MemorySnapshot) -> str:
 def _disk_note(mem: MemorySnapshot) -> str:
     if not mem.disk_bytes:
         return ""
-    from kvchat.kvdirect.planner import human_bytes
+    from kvchat.units import human_bytes
 
     if mem.disk_tier:
         forms = f" ({mem.forms})" if mem.forms else ""

@@ -195,7 +195,7 @@ class ChatSession:
 
     def _check_standard_ceiling(self, n_new: int) -> None:
         from kvchat.errors import NeedsDiskTierError
-        from kvchat.kvdirect.planner import human_bytes
+        from kvchat.units import human_bytes
 
         n_after = self.cache.get_seq_length() + n_new
         need = self.loaded.footprint.standard_cache_bytes(n_after)

@@ -37,11 +37,11 @@ def show_conversations(data_dir: str | None, as_json: bool) -> None:
     """``kvchat list``: saved conversations and the spill files' footprint."""
     from dataclasses import asdict
 
-    from kvchat.kvdirect.planner import human_bytes
     from kvchat.paths import data_dir as resolve_data_dir
     from kvchat.storage import ConversationStore
     from kvchat.storage.spill import spill_folders, spill_root
     from kvchat.storage.text import safe_terminal_text
+    from kvchat.units import human_bytes
 
     root = resolve_data_dir(data_dir)
     try:
@@ -89,8 +89,8 @@ def show_conversations(data_dir: str | None, as_json: bool) -> None:
 
 def delete_conversation(conversation_id: str, yes: bool, data_dir: str | None) -> None:
     """``kvchat delete``: refuse a bare prefix, ask on a terminal, then delete."""
-    from kvchat.kvdirect.planner import human_bytes
     from kvchat.storage.text import safe_terminal_text
+    from kvchat.units import human_bytes
 
     store = open_store({"data_dir": data_dir})
     try:
@@ -142,10 +142,10 @@ def collect_garbage(data_dir: str | None, as_json: bool) -> None:
     """``kvchat gc``: free the spill files of dead processes and interrupted deletes' leftovers."""
     from pathlib import Path
 
-    from kvchat.kvdirect.planner import human_bytes
     from kvchat.paths import data_dir as resolve_data_dir
     from kvchat.storage import ConversationStore
     from kvchat.storage.spill import spill_usage, sweep_stale_spill
+    from kvchat.units import human_bytes
 
     root = resolve_data_dir(data_dir)
     if Path(root).exists() and not Path(root).is_dir():

@@ -362,7 +362,7 @@ def load_config(spec: str | os.PathLike[str]) -> Any:
                 str(path.parent), gguf_file=path.name, local_files_only=True
             )
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"cannot read the config of {text}: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"cannot read the config of {text}: {_first_line(exc)}") from exc
 
     if text in bundled_aliases():
         return config_from_dict(bundled_config_dict(text))
@@ -379,6 +379,6 @@ def load_config(spec: str | os.PathLike[str]) -> Any:
         ) from exc
 
 
-def _one_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__

@@ -11,20 +11,7 @@ import textwrap
 from typing import Any
 
 from kvchat.kvdirect.footprint import LayerFootprint, ModelFootprint
-
-_UNITS = ("KiB", "MiB", "GiB", "TiB")
-
-
-def human_bytes(n: float) -> str:
-    """``1152`` -> ``"1.125 KiB"``, ``512`` -> ``"512 B"`` (binary units, 4 significant digits)."""
-    if n < 1024:
-        return f"{n:.4g} B"
-    value = float(n)
-    for unit in _UNITS:
-        value /= 1024
-        if value < 1024 or unit == _UNITS[-1]:
-            return f"{value:.4g} {unit}"
-    raise AssertionError("unreachable")
+from kvchat.units import precise_bytes as human_bytes
 
 
 def _exact(n: float) -> str:

@@ -40,48 +40,12 @@ from typing import TYPE_CHECKING
 
 from kvchat.errors import NeedsDiskTierError
 from kvchat.kvdirect.footprint import LayerFootprint, ModelFootprint
+from kvchat.units import human_bytes
 
 if TYPE_CHECKING:
     from kvchat.kvdirect.costs import DeviceCosts
 
 TOKEN_ID_BYTES = 8
-
-
-def parse_size(text: str | int | None) -> int | None:
-    """``"64MB"``, ``"512KiB"``, ``"1.5GB"``, ``4096`` -> bytes (MB = 10^6, MiB = 2^20)."""
-    if text is None or isinstance(text, int):
-        return text
-    s = text.strip().replace(" ", "")
-    units = {
-        "": 1, "B": 1,
-        "K": 1000, "KB": 1000, "KIB": 1024,
-        "M": 10**6, "MB": 10**6, "MIB": 2**20,
-        "G": 10**9, "GB": 10**9, "GIB": 2**30,
-        "T": 10**12, "TB": 10**12, "TIB": 2**40,
-    }  # fmt: skip
-    i = len(s)
-    while i > 0 and not (s[i - 1].isdigit() or s[i - 1] == "."):
-        i -= 1
-    number, unit = s[:i], s[i:].upper()
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value < 0:
-        raise ValueError(f"cannot read size {text!r}; write it like 64MB, 512KiB or 1.5GB")
-    return int(value * units[unit])
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``; binary units up to PiB, then whole PiB in thousands."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-    for unit in units:
-        if abs(n) < 1024 or unit == units[-1]:
-            break
-        n /= 1024
-    if unit == "B":
-        return f"{n:.0f} B"
-    return f"{n:,.0f} {unit}" if abs(n) >= 10_000 else f"{n:.1f} {unit}"
 
 
 def choose_forms(

@@ -103,10 +103,10 @@ def _run(
     say: Any,
     spill_dir: Path | None = None,
 ) -> Run:
-    from kvchat.chat.memory import process_rss
     from kvchat.chat.session import ChatSession
     from kvchat.chat.settings import SamplingSettings
     from kvchat.errors import NeedsDiskTierError
+    from kvchat.units import process_rss
 
     run = Run(label=label, ceiling=settings.max_mem)
     _release_heap()  # each run starts from a trimmed heap, not from the last run's leftovers

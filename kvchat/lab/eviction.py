@@ -43,8 +43,8 @@ from kvchat.kvdirect.cache import KVDirectCache
 from kvchat.lab.baselines import POLICIES as EVICTION_POLICIES
 from kvchat.lab.baselines import EvictionCache
 from kvchat.lab.context import LabContext
-from kvchat.lab.harness import human_bytes
 from kvchat.lab.report import Claim, Section, Table
+from kvchat.units import human_bytes
 
 BUDGETS = (0.05, 0.10, 0.25, 0.50)
 QUICK_BUDGETS = (0.05, 0.25)

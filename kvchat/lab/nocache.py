@@ -22,6 +22,7 @@ import torch
 
 from kvchat.lab.context import LabContext
 from kvchat.lab.report import Claim, Section, Table
+from kvchat.units import one_line
 
 FLOOR = 1e-9  # where an exact zero is drawn on the log-scale plot
 
@@ -185,7 +186,7 @@ def run(ctx: LabContext) -> Section:
         section.tables.append(
             Table(
                 ["model", "prompt", "greedy output (reference)"],
-                [[m, p, _one_line(t)] for m, p, t in examples],
+                [[m, p, one_line(t, 160).replace("|", "/")] for m, p, t in examples],
             )
         )
     section.data = {"sizes": sizes, "runs": runs}
@@ -215,11 +216,6 @@ def run(ctx: LabContext) -> Section:
     if fig:
         section.figures.append(fig)
     return section
-
-
-def _one_line(text: str, limit: int = 160) -> str:
-    text = " ".join(text.split()).replace("|", "/")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _figure(ctx: LabContext, runs: list[dict[str, Any]]) -> str | None:

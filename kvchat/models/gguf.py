@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.errors import ModelLoadError
-from kvchat.models.messages import Progress, one_line, quiet_transformers
+from kvchat.models.messages import Progress, quiet_transformers
 from kvchat.models.model_dir import is_model_dir
 from kvchat.paths import cache_dir
 from kvchat.storage.atomic import fsync_dir
+from kvchat.units import error_line
 
 _STALE_TMP_SECONDS = 24 * 3600
 
@@ -78,7 +79,7 @@ def convert_gguf(gguf: Path, target: Path, sha256: str, say: Progress) -> None:
         raise
     except Exception as exc:
         raise ModelLoadError(
-            f"could not convert {gguf.name} ({one_line(exc)}); pass a transformers model "
+            f"could not convert {gguf.name} ({error_line(exc)}); pass a transformers model "
             "directory instead, or a GGUF of a supported architecture (llama, gemma3, qwen2, "
             "phi3, ...)"
         ) from None

@@ -9,8 +9,9 @@ import os
 from pathlib import Path
 
 from kvchat.errors import ModelNotFoundError
-from kvchat.models.messages import Progress, one_line
+from kvchat.models.messages import Progress
 from kvchat.models.model_dir import is_model_dir
+from kvchat.units import error_line
 
 # Repos whose licence must be accepted on the hub before a download works.
 _GATED_PREFIXES = ("google/gemma-", "meta-llama/")
@@ -29,7 +30,7 @@ def gated_fix(repo_id: str) -> str:
 
 def _short_reason(exc: BaseException) -> str:
     """The hub library's error, cut to its first sentence (they run to paragraphs)."""
-    text = one_line(exc).split(". ")[0]
+    text = error_line(exc).split(". ")[0]
     return text if len(text) <= 100 else text[:97] + "..."
 
 

@@ -7,9 +7,10 @@ from typing import Any
 from kvchat.errors import ModelLoadError
 from kvchat.models.device import checkpoint_dtype, pick_device, pick_dtype
 from kvchat.models.loaded import LoadedModel
-from kvchat.models.messages import Progress, one_line, quiet_transformers
+from kvchat.models.messages import Progress, quiet_transformers
 from kvchat.models.quantize import WEIGHT_MODES, auto_weights, weights_nbytes
 from kvchat.models.resolve import ResolvedModel, resolve_model
+from kvchat.units import error_line
 
 
 def load(
@@ -146,12 +147,12 @@ def load_model(
         raise
     except torch.OutOfMemoryError as exc:
         raise ModelLoadError(
-            f"{resolved.name!r} does not fit on {dev} ({one_line(exc)}); try --weights int4, "
+            f"{resolved.name!r} does not fit on {dev} ({error_line(exc)}); try --weights int4, "
             "a smaller model, or --device cpu"
         ) from None
     except Exception as exc:
         raise ModelLoadError(
-            f"could not load {resolved.name!r} from {str(path)!r} ({one_line(exc)}); check the "
+            f"could not load {resolved.name!r} from {str(path)!r} ({error_line(exc)}); check the "
             "files, or pass another directory or .gguf file"
         ) from None
     model.eval()
@@ -159,7 +160,7 @@ def load_model(
         model.to(dev)
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(
-            f"{resolved.name!r} does not fit on {dev} ({one_line(exc)}); try --weights int4, "
+            f"{resolved.name!r} does not fit on {dev} ({error_line(exc)}); try --weights int4, "
             "a smaller model, or --device cpu"
         ) from None
     return model, tokenizer

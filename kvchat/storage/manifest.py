@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.errors import StorageError
+from kvchat.units import one_line
 
 FORMAT_VERSION = 2
 """Bump when a reader of the old format would misread the new one (not for new optional keys).
@@ -94,11 +95,6 @@ class UnsafeFileError(StorageError):
 
 class SaveFailedError(StorageError):
     """Writing a turn failed (disk full, I/O error); the previous turn is still on disk."""
-
-
-def one_line(text: object) -> str:
-    """Collapse any whitespace run (newlines included) so a message stays on one line."""
-    return " ".join(str(text).split())
 
 
 # --------------------------------------------------------------------------- dataclasses

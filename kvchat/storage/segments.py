@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.storage.atomic import write_atomic, write_atomic_stream
-from kvchat.storage.manifest import SegmentCorruptedError, SegmentInfo, one_line
+from kvchat.storage.manifest import SegmentCorruptedError, SegmentInfo
 from kvchat.storage.safe_fs import UnsafePathError, check_regular, open_regular, read_regular
+from kvchat.units import one_line
 
 if TYPE_CHECKING:  # storage imports torch only inside the functions that handle tensors
     import torch

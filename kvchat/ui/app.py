@@ -48,6 +48,7 @@ from kvchat.ui.widgets.chat_log import FINISH_NOTES, ChatLog, MessageView
 from kvchat.ui.widgets.comparison import ComparisonPanel
 from kvchat.ui.widgets.memory_gauge import MemoryGauge
 from kvchat.ui.widgets.prompt_input import PromptInput
+from kvchat.units import error_line
 
 SIDE_PANEL_MIN_WIDTH = 120  # columns from which the comparison panel sits beside the chat
 MEMORY_INTERVAL = 0.2  # seconds between engine memory snapshots while a reply streams
@@ -210,7 +211,12 @@ class KvchatApp(App[None]):
             except KvchatError as exc:
                 post(EngineFailed("load", str(exc)))
             except Exception as exc:  # shown in one line, never a traceback
-                post(EngineFailed("load", f"could not load the model: {_one_line(exc)}"))
+                post(
+                    EngineFailed(
+                        "load",
+                        f"could not load the model: {error_line(exc, limit=300, with_type=False)}",
+                    )
+                )
             else:
                 post(Loaded(model))
                 post(MemoryUpdate(memory))
@@ -314,7 +320,11 @@ class KvchatApp(App[None]):
             except KvchatError as exc:
                 post(EngineFailed("send", str(exc)))
             except Exception as exc:  # never a traceback
-                post(EngineFailed("send", f"the reply failed: {_one_line(exc)}"))
+                post(
+                    EngineFailed(
+                        "send", f"the reply failed: {error_line(exc, limit=300, with_type=False)}"
+                    )
+                )
             else:
                 post(ReplyDone(turn))
 
@@ -478,7 +488,7 @@ class KvchatApp(App[None]):
             except KvchatError as exc:
                 post(EngineFailed("new conversation", str(exc)))
             except Exception as exc:  # never a traceback
-                post(EngineFailed("new conversation", _one_line(exc)))
+                post(EngineFailed("new conversation", error_line(exc, limit=300, with_type=False)))
             else:
                 post(ConversationStarted())
                 post(MemoryUpdate(memory))
@@ -507,7 +517,12 @@ class KvchatApp(App[None]):
             except KvchatError as exc:
                 post(EngineFailed("resume", str(exc)))
             except Exception as exc:  # never a traceback
-                post(EngineFailed("resume", f"cannot resume {conv_id}: {_one_line(exc)}"))
+                post(
+                    EngineFailed(
+                        "resume",
+                        f"cannot resume {conv_id}: {error_line(exc, limit=300, with_type=False)}",
+                    )
+                )
             else:
                 post(ConversationStarted(resumed))
                 post(MemoryUpdate(memory))
@@ -612,11 +627,6 @@ class KvchatApp(App[None]):
     def wait_for_engine(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """After the app exits: let the engine thread close the session (bounded wait)."""
         self._engine.join(timeout)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def run_app(opts: dict[str, Any]) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvchat.kvdirect.planner import human_bytes
+from kvchat.units import human_bytes
 
 __all__ = ["bar", "count", "fmt_bytes", "fmt_ratio", "sparkline"]
 

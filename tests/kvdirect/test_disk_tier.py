@@ -19,13 +19,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvchat.chat.memory import process_rss
 from kvchat.chat.session import ChatSession
 from kvchat.chat.settings import CacheSettings, SamplingSettings
 from kvchat.kvdirect import exact_attention
 from kvchat.kvdirect.arch import ArchAdapter
 from kvchat.kvdirect.cache import KVDirectCache
 from kvchat.lab.tiny_models import FAMILIES
+from kvchat.units import process_rss
 from tests.chat.test_memory import RSS_ALLOWANCE
 from tests.kvdirect.test_cache_exact import run_conversation, tiny_model
 

@@ -6,7 +6,8 @@ import pytest
 
 from kvchat.errors import NeedsDiskTierError
 from kvchat.kvdirect.footprint import bundled_config_dict, config_from_dict, footprint_from_config
-from kvchat.kvdirect.planner import Planner, choose_forms, parse_size
+from kvchat.kvdirect.planner import Planner, choose_forms
+from kvchat.units import parse_size
 
 
 @pytest.mark.parametrize(
