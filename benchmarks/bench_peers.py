@@ -23,7 +23,7 @@ Rows:
   the two engines at the same context length; and with n_ctx 2048, a smaller context a
   llama.cpp user may choose (llama.cpp allocates its whole K/V cache up front, kvchat grows
   with the conversation). Skipped, with a message, when ``llama_cpp`` is not importable
-  (install the wheel in ../shared/peers/).
+  (``pip install llama-cpp-python``; the runs here used a 0.3.36 wheel built for this CPU).
 
 Before any run, kvchat's C++ decode layers are built (``kvchat.models.native``; once per
 torch version, in a process of its own), so that no timed run pays for the build; the line
@@ -37,7 +37,8 @@ Then the contention figure: kvchat's default decode with one competing CPU-bound
 running, against quiet, in neighbouring runs; for the default (decode steps on one thread)
 and for decode steps on every core, both with kvchat's wait (passive after a spin of
 ``GOMP_SPINCOUNT=1000``, see ``kvchat.threads``). Earlier runs, which compared
-that wait with a purely passive one, are kept in ``docs/results/bench_peers/run-before-*.log``.
+that wait with a purely passive one, are in git history
+(``docs/results/bench_peers/run-before-peer-env.log`` and the runs before it).
 
 Prefill tok/s = prompt tokens / time to the first token; decode tok/s = 63 / time from the
 first to the 64th token. The machine is shared: its load average is printed at the start and
@@ -250,7 +251,7 @@ def llama_available() -> str | None:
         [sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True, timeout=60
     )
     if probe.returncode != 0:
-        return "llama_cpp is not importable (pip install ../shared/peers/llama_cpp_python-*.whl)"
+        return "llama_cpp is not importable (pip install llama-cpp-python)"
     return None
 
 

@@ -10,7 +10,7 @@ regions, and a decode step runs a few hundred short ones, each then paying a wak
 spin of 1000 rounds before sleeping (``GOMP_SPINCOUNT``) bridges the gap between two regions
 of one step and gives the core up soon after; longer spins were faster when quiet and much
 slower beside a busy process in trials. Earlier runs of ``python benchmarks/bench_peers.py``
-compared both waits (``docs/results/bench_peers/run-before-*.log``): on this noisy machine
+compared both waits (their logs are in git history): on this noisy machine
 the quiet gain showed in one run and not in another; beside a busy process the purely
 passive wait was the faster of the two, and the spin kept 0.61x and 0.88x of its quiet
 speed.
