@@ -17,7 +17,7 @@ processes that loaded the model before the clock starts, as after a restart; the
 cache is warm for the saved files (they were just written). Per repeat the two are run
 back to back, the order alternating; ratio = re-prefill / kvchat, median over repeats.
 
-The first reply texts are printed too. They can differ (they did in the run in README.md):
+The first reply texts are printed too. They can differ (they did in a run here):
 re-prefilling feeds re-tokenized text in other chunks than the turns were fed in, so its
 state is not the one the conversation had; kvchat continues from that very state (its
 reply equals `kvchat run` on the same turns, tests/serve/test_restart.py).

@@ -21,8 +21,8 @@ them waits for the second thread to wake, a cost as large as the work it shares.
 single-row forward calls get their own thread count (:func:`decode_threads_for`: one for
 models whose weights are at most :data:`SMALL_WEIGHTS` bytes, else the prefill count;
 ``--decode-threads`` sets it). ``python benchmarks/bench_peers.py`` compares it with
-decoding on every core, quiet and beside a busy process (README "Threads that share the
-machine": on the default model, faster in both). A kernel big enough to pay for the
+decoding on every core, quiet and beside a busy process (docs/performance.md, "bench_peers":
+on the default model, faster in both). A kernel big enough to pay for the
 wake-up (the output head, ``qlinear.WIDE_BYTES``) still takes every core (:func:`every_thread`).
 
 Thread counts change bits: a GEMM may split its work another way. So every projection runs

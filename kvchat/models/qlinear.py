@@ -8,7 +8,7 @@ activations are cast to bf16 around the kernel and back. torchao 0.18 installs b
 2.13 but calls these same two kernels for its CPU int8/int4 weight-only layouts, behind
 tensor subclasses; the layers here are ~150 lines with nothing to install. optimum-quanto
 (maintenance mode since Nov 2025) decoded 2x slower than fp32 there. On the 2-core Zen 4
-EPYC (no AMX) of the README's figures the order holds: int4 decodes fastest, then int8,
+EPYC (no AMX) of earlier runs the order held too: int4 decodes fastest, then int8,
 then fp32 (``benchmarks/bench_peers.py``).
 
 Formats (what is stored on disk, device independent):

@@ -68,6 +68,7 @@ def kvdirect(model, hot_window, form="residual"):
     return KVDirectCache(adapter, [form] * adapter.num_layers, hot_window).attach()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_budget_matches_standard_cache(family):
     model = tiny_model(family)
@@ -85,6 +86,7 @@ def test_every_budget_matches_standard_cache(family):
             assert cache.stats.recomputed_tokens > 0, "nothing was recomputed: test is vacuous"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recomputed_kv_equal_the_cached_kv(family, dtype):

@@ -66,6 +66,7 @@ def test_checkpoints_on_disk_give_bit_identical_logits(family, tmp_path):
     [(8, "none", torch.float32), (16, "none", torch.float32), (8, "int4", torch.float32),
      (16, "int8", torch.float32), (8, "none", torch.bfloat16), (16, "int4", torch.bfloat16)],
 )  # fmt: skip
+@pytest.mark.slow
 def test_streamed_attention_gives_bit_identical_logits(
     family, stream_chunk, weights, dtype, tmp_path
 ):
@@ -136,6 +137,7 @@ def long_text(n_sentences: int) -> str:
     )
 
 
+@pytest.mark.slow
 def test_smollm2_grows_past_a_2mb_ceiling_with_the_same_replies(smollm2_loaded, tmp_path):
     ceiling = 2_000_000
     prompts = [long_text(40) + " Which shelf holds note 7?", "And note 12?"]
@@ -155,6 +157,7 @@ def test_smollm2_grows_past_a_2mb_ceiling_with_the_same_replies(smollm2_loaded, 
     session.close()
 
 
+@pytest.mark.slow
 def test_8k_token_conversation_resumed_under_2mb_continues_identically(smollm2_loaded, tmp_path):
     """8K tokens saved with a roomy ceiling, resumed under 2 MB (100x below the standard
     cache's 188 MB); the continuation matches a standard cache that saw the same text."""
@@ -234,6 +237,7 @@ def test_a_full_disk_while_spilling_ends_the_reply_cleanly_and_keeps_the_state(
     session.close()
 
 
+@pytest.mark.slow
 def test_gemma3_past_its_sliding_window_under_the_disk_tier(gemma270m_loaded, tmp_path):
     """Sliding (window 512) and global layers share the resident budget by need; the
     continuation past the window matches the standard cache."""

@@ -37,6 +37,7 @@ def tiered_cache(model, form, window, tier, tmp_path):
     return cache.attach()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("form", ["kv", "residual", "auto"])
 def test_every_form_and_tier_matches_the_standard_cache(family, form, tmp_path):

@@ -29,6 +29,7 @@ MODES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights,dtype", MODES, ids=["int8", "int4", "int4-bf16", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_models_bounded_equal_unbounded(family: str, weights: str, dtype) -> None:

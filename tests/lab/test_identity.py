@@ -32,6 +32,7 @@ def _layers_of(ctx, run) -> int:
     return ctx.load(run["model"], run["dtype"]).model.config.num_hidden_layers
 
 
+@pytest.mark.slow
 def test_recomputed_kv_are_bit_identical(outcome):
     _, section = outcome
     assert section.error is None

@@ -28,6 +28,7 @@ def _layers_of(ctx, run) -> int:
     return ctx.load(run["model"]).model.config.num_hidden_layers
 
 
+@pytest.mark.slow
 def test_claims_hold(outcome):
     _, section = outcome
     assert section.error is None

@@ -126,6 +126,7 @@ def test_a_replaced_after_attention_half_runs_and_keeps_bounded_equal_to_standar
     assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", ["none", "int4"])
 def test_the_real_default_model_steps_agree_with_its_forward(monkeypatch, smollm2_dir, weights):
     from kvchat.models.load import load

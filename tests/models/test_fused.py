@@ -30,6 +30,7 @@ def unfused(family: str, mode: str, dtype=torch.float32):
         fused.SIBLINGS = saved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "mistral"])
 def test_stacked_siblings_give_the_separate_layers_bits(family, mode):

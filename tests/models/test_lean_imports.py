@@ -22,6 +22,7 @@ def imports_scipy(code: str, **env: str) -> bool:
     return out.stdout.strip().splitlines()[-1] == "True"
 
 
+@pytest.mark.slow
 @needs_scipy
 def test_the_modeling_code_imports_scipy_unless_told_not_to():
     modeling = "import transformers.models.llama.modeling_llama"

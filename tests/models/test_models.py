@@ -395,6 +395,7 @@ def test_conversion_writes_the_bytes_of_transformers_own_gguf_load(
     assert (target / "model.safetensors").read_bytes() == expected.read_bytes()
 
 
+@pytest.mark.slow
 def test_concurrent_conversions_share_one_directory(tmp_path: Path, tiny_gguf: Path) -> None:
     env = {**os.environ, "KVCHAT_CACHE_DIR": str(tmp_path / "cache"), "KVCHAT_OFFLINE": "1"}
     code = (

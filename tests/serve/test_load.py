@@ -18,7 +18,7 @@ from tests.serve.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 SEQUENTIAL, CONCURRENT, WARM_UP = 50, 8, 5
-RSS_ALLOWANCE = 150 * 1024 * 1024  # documented in README.md ("Serving ...")
+RSS_ALLOWANCE = 150 * 1024 * 1024  # documented in README.md ("Serving an OpenAI-compatible API")
 
 
 def test_sequential_and_concurrent_requests(tmp_path):

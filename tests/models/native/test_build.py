@@ -115,6 +115,7 @@ def test_the_key_follows_the_source_and_the_compiler(private_cache, monkeypatch,
     assert build.library_path() != first
 
 
+@pytest.mark.slow
 def test_a_real_build_lands_in_the_cache_and_is_found_again(private_cache):
     if build.library_path() is None:
         pytest.skip("no C++ compiler")
