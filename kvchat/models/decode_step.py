@@ -1,4 +1,4 @@
-"""One decode step (one token in, its logits out) of a Llama-family model, without the
+"""One decode step (one token in, its logits out) of a Llama or Qwen2 model, without the
 layers of Python that transformers wraps around every module.
 
 Why: at one row per call a SmolLM2 step is thousands of short ops, and transformers' module
@@ -108,6 +108,25 @@ class _Layer:
         self.act = mlp.act_fn
 
 
+def _families() -> dict[type, tuple[type, type]]:
+    """Causal LM class -> (its decoder layer class, its RMSNorm class), for the families
+    whose decode step is Llama's: same norms (op for op), rotary, gated MLP, attention call."""
+    families: dict[type, tuple[type, type]] = {}
+    try:
+        from transformers.models.llama import modeling_llama as llama
+
+        families[llama.LlamaForCausalLM] = (llama.LlamaDecoderLayer, llama.LlamaRMSNorm)
+    except ImportError:
+        pass
+    try:
+        from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+        families[qwen2.Qwen2ForCausalLM] = (qwen2.Qwen2DecoderLayer, qwen2.Qwen2RMSNorm)
+    except ImportError:
+        pass
+    return families
+
+
 def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``LlamaRMSNorm.forward``, op for op (its casts are no-ops on float32 input)."""
     input_dtype = hidden.dtype
@@ -166,25 +185,24 @@ class DecodeStep:
 
     @classmethod
     def build(cls, model: nn.Module) -> DecodeStep | None:
-        """A step for ``model`` if it is a Llama-family model built as transformers builds
-        it, else None."""
-        try:
-            from transformers.models.llama.modeling_llama import (
-                LlamaDecoderLayer,
-                LlamaForCausalLM,
-                LlamaRMSNorm,
-            )
-        except ImportError:
+        """A step for ``model`` if it is a Llama or a Qwen2 model built as transformers
+        builds them (Qwen2's decoder is Llama's with biased q/k/v projections; its
+        sliding-window layers are left to the model path), else None."""
+        families = _families()
+        family = families.get(type(model))
+        if family is None:
             return None
-        if type(model) is not LlamaForCausalLM:
+        layer_type, norm_type = family
+        layer_types = getattr(model.config, "layer_types", None) or []
+        if any(kind != "full_attention" for kind in layer_types):
             return None
         base = model.model
         norms = [base.norm]
         for layer in base.layers:
-            if type(layer) is not LlamaDecoderLayer:
+            if type(layer) is not layer_type:
                 return None
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
-        if any(type(n) is not LlamaRMSNorm for n in norms):
+        if any(type(n) is not norm_type for n in norms):
             return None
         return cls(model)
 

@@ -23,7 +23,10 @@ MODES = [
 
 
 def model_in(shape: str, mode: str, dtype: torch.dtype):
-    model = tiny_model("llama", dtype) if shape == "tiny" else smollm2_shaped().to(dtype)
+    if shape in ("tiny", "qwen2"):
+        model = tiny_model("llama" if shape == "tiny" else "qwen2", dtype)
+    else:
+        model = smollm2_shaped().to(dtype)
     return model if mode == "none" else quantize_weights(model, mode)
 
 
@@ -53,7 +56,7 @@ def same_kv(a, b) -> bool:
 
 
 @pytest.mark.parametrize(("mode", "dtype"), MODES)
-@pytest.mark.parametrize("shape", ["tiny", "smollm2"])
+@pytest.mark.parametrize("shape", ["tiny", "qwen2", "smollm2"])
 def test_the_step_gives_the_model_forward_bits(monkeypatch, shape, mode, dtype):
     model = model_in(shape, mode, dtype)
     step = decode_step_for(model)
@@ -88,11 +91,12 @@ def test_packed_gqa_steps_are_for_quantized_models_and_agree_closely(monkeypatch
         assert all(torch.equal(a, b) for a, b in zip(fast[1], ref[1]))
 
 
+@pytest.mark.parametrize("shape", ["smollm2", "qwen2"])
 @pytest.mark.parametrize("mode", ["none", "int4"])
-def test_bounded_cache_through_the_step_equals_the_standard_cache(mode):
+def test_bounded_cache_through_the_step_equals_the_standard_cache(mode, shape):
     # Residual checkpoints taken by the step (note_layer_input), K/V replayed from them on
     # the model's modules: the same bits as the standard cache through the same steps.
-    model = model_in("smollm2", mode, torch.float32)
+    model = model_in(shape, mode, torch.float32)
     ref = run_conversation(model, DynamicCache(config=model.config))
     got, recomputed = on_a_residual_cache(model)
     assert recomputed > 0
@@ -143,9 +147,17 @@ def test_the_real_default_model_steps_agree_with_its_forward(monkeypatch, smollm
     assert all(torch.allclose(a, b, rtol=0, atol=0.02 * scale) for a, b in zip(fast[1], ref[1]))
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
 def test_other_families_keep_the_model_path(family):
     assert decode_step_for(tiny_model(family)) is None
+
+
+def test_qwen2_with_sliding_window_layers_keeps_the_model_path():
+    model = tiny_model("qwen2")
+    assert decode_step_for(model) is not None
+    forget_decode_step(model)
+    model.config.layer_types = ["sliding_attention"] + model.config.layer_types[1:]
+    assert decode_step_for(model) is None
 
 
 def test_hooks_on_skipped_modules_send_the_step_back_to_the_model_path():
