@@ -64,12 +64,12 @@ def main() -> None:
     from kvchat.models.resolve import resolve_model
 
     path = str(resolve_model(args.model).path)
-    loaded = load(path, device="cpu", dtype="float32", weights=args.weights, threads=args.threads)
+    loaded = load(path, device="cpu", dtype="auto", weights=args.weights, threads=args.threads)
     ids = AutoTokenizer.from_pretrained(path)(STORY, add_special_tokens=False)["input_ids"]
     ids = ids[: args.context]
     step = decode_step_for(loaded.model)
     if step is None:
-        sys.exit(f"{args.model} has no lean decode step (not a Llama-family model)")
+        sys.exit(f"{args.model} has no lean decode step (not a Llama, Qwen2 or Gemma 3 model)")
     quantized = step.packs_gqa
     rows_run = ROWS if quantized and step.wait_for_native(600) else ROWS[:-1]
     if rows_run != ROWS:

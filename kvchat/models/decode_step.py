@@ -54,7 +54,7 @@ def decode_step_for(model: nn.Module) -> DecodeStep | None:
     try:
         step = _steps[model]
     except KeyError:
-        step = _steps[model] = DecodeStep.build(model)
+        step = _steps[model] = DecodeStep.build(model) or Gemma3DecodeStep.build(model)
     if step is None or model.training or step.hooked(model):
         return None
     return step
@@ -349,3 +349,109 @@ class DecodeStep:
         query = (query * cos) + (_rotate_half(query) * sin)
         key = (key * cos) + (_rotate_half(key) * sin)
         return query, key, value
+
+
+class Gemma3DecodeStep(DecodeStep):
+    """The step for a ``Gemma3ForCausalLM`` (text): Llama's skeleton with Gemma 3's own
+    parts, each called as the model's forward calls it: q/k norms after the projections,
+    four norms per block (input, post-attention, pre- and post-feedforward), the GeGLU MLP,
+    a rotary table and a mask per layer type (sliding or global), the sliding window handed
+    to attention, and the final logit soft-cap when the config has one. The norms are the
+    model's own modules (``Gemma3RMSNorm`` computes ``(x * w)`` in float32, unlike Llama's)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        from transformers.masking_utils import create_sliding_window_causal_mask
+
+        self.create_sliding_mask = create_sliding_window_causal_mask
+        self.layer_types = list(self.config.layer_types[: self.config.num_hidden_layers])
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.extra = [
+            (
+                layer.self_attn.q_norm,
+                layer.self_attn.k_norm,
+                layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm,
+                layer.self_attn.sliding_window,
+            )
+            for layer in self.decoder_layers
+        ]
+        for q_norm, k_norm, pre, post, _window in self.extra:
+            self.skipped += [q_norm, k_norm, pre, post]
+
+    @classmethod
+    def build(cls, model: nn.Module) -> DecodeStep | None:
+        try:
+            from transformers.models.gemma3 import modeling_gemma3 as gemma3
+        except ImportError:
+            return None
+        if type(model) is not gemma3.Gemma3ForCausalLM:
+            return None
+        config = model.config
+        if getattr(config, "use_bidirectional_attention", False):
+            return None
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            return None
+        if type(model.model.norm) is not gemma3.Gemma3RMSNorm:
+            return None
+        if any(type(layer) is not gemma3.Gemma3DecoderLayer for layer in model.model.layers):
+            return None
+        return cls(model)
+
+    def __call__(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        past = cache.get_seq_length()
+        position_ids = (torch.arange(1, device=hidden.device) + past).unsqueeze(0)
+        kwargs = {
+            "config": self.config,
+            "inputs_embeds": hidden,
+            "attention_mask": None,
+            "cache": cache,
+            "position_ids": position_ids,
+        }
+        masks = {
+            "full_attention": self.create_mask(**kwargs),
+            "sliding_attention": self.create_sliding_mask(**kwargs),
+        }
+        rotary = {}
+        for kind in set(self.layer_types):
+            cos, sin = self.rotary(hidden, position_ids, kind)
+            rotary[kind] = (cos.unsqueeze(1), sin.unsqueeze(1))
+        note_input: Callable[[int, torch.Tensor], None] | None = getattr(
+            cache, "note_layer_input", None
+        )
+        attention = self._attention_function()
+        for layer, kind, (q_norm, k_norm, pre, post, window) in zip(
+            self.layers, self.layer_types, self.extra
+        ):
+            index = layer.index
+            if note_input is not None:
+                note_input(index, hidden)
+            cos, sin = rotary[kind]
+            x = layer.input_norm(hidden)
+            q, k, v = layer.qkv.split(x) if layer.qkv is not None else (
+                layer.q(x), layer.k(x), layer.v(x)
+            )  # fmt: skip
+            query = q_norm(q.view(1, 1, -1, self.head_dim).transpose(1, 2))
+            key = k_norm(k.view(1, 1, -1, self.head_dim).transpose(1, 2))
+            value = v.view(1, 1, -1, self.head_dim).transpose(1, 2)
+            query = (query * cos) + (_rotate_half(query) * sin)
+            key = (key * cos) + (_rotate_half(key) * sin)
+            key, value = cache.update(key, value, index)
+            out, _ = attention(
+                layer.attention, query, key, value, masks[kind], dropout=0.0,
+                scaling=layer.attention.scaling, sliding_window=window,
+            )  # fmt: skip
+            attended = layer.o_proj(out.reshape(1, 1, -1).contiguous())
+            hidden = hidden + layer.post_norm(attended)
+            x = pre(hidden)
+            if layer.gate_up is not None:
+                gate, up = layer.gate_up.split(x)
+                gate, up = gate.reshape(1, 1, -1), up.reshape(1, 1, -1)
+            else:
+                gate, up = layer.gate(x), layer.up(x)
+            hidden = hidden + post(layer.down(layer.act(gate) * up))
+        logits = self.head(self.norm(hidden))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits[0, -1]

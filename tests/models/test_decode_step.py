@@ -23,8 +23,8 @@ MODES = [
 
 
 def model_in(shape: str, mode: str, dtype: torch.dtype):
-    if shape in ("tiny", "qwen2"):
-        model = tiny_model("llama" if shape == "tiny" else "qwen2", dtype)
+    if shape in ("tiny", "qwen2", "gemma3"):
+        model = tiny_model("llama" if shape == "tiny" else shape, dtype)
     else:
         model = smollm2_shaped().to(dtype)
     return model if mode == "none" else quantize_weights(model, mode)
@@ -56,7 +56,7 @@ def same_kv(a, b) -> bool:
 
 
 @pytest.mark.parametrize(("mode", "dtype"), MODES)
-@pytest.mark.parametrize("shape", ["tiny", "qwen2", "smollm2"])
+@pytest.mark.parametrize("shape", ["tiny", "qwen2", "gemma3", "smollm2"])
 def test_the_step_gives_the_model_forward_bits(monkeypatch, shape, mode, dtype):
     model = model_in(shape, mode, dtype)
     step = decode_step_for(model)
@@ -91,7 +91,7 @@ def test_packed_gqa_steps_are_for_quantized_models_and_agree_closely(monkeypatch
         assert all(torch.equal(a, b) for a, b in zip(fast[1], ref[1]))
 
 
-@pytest.mark.parametrize("shape", ["smollm2", "qwen2"])
+@pytest.mark.parametrize("shape", ["smollm2", "qwen2", "gemma3"])
 @pytest.mark.parametrize("mode", ["none", "int4"])
 def test_bounded_cache_through_the_step_equals_the_standard_cache(mode, shape):
     # Residual checkpoints taken by the step (note_layer_input), K/V replayed from them on
@@ -147,7 +147,7 @@ def test_the_real_default_model_steps_agree_with_its_forward(monkeypatch, smollm
     assert all(torch.allclose(a, b, rtol=0, atol=0.02 * scale) for a, b in zip(fast[1], ref[1]))
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+@pytest.mark.parametrize("family", ["mistral", "phi3", "gpt2"])
 def test_other_families_keep_the_model_path(family):
     assert decode_step_for(tiny_model(family)) is None
 
@@ -198,3 +198,22 @@ def test_a_model_whose_layers_were_quantized_gets_a_new_step():
     assert after.layers[0].gate_up is not None
     forget_decode_step(model)
     assert decode_step_for(model) is not after
+
+
+@pytest.mark.slow
+def test_real_gemma3_270m_steps_give_its_forward_bits_past_the_sliding_window(monkeypatch):
+    """Gemma 3 270M as kvchat loads it by default (int4 from its GGUF): the step's logits
+    and K/V equal the model's forward at every token, past its 512-token window."""
+    from kvchat.models.decode_step import Gemma3DecodeStep
+    from kvchat.models.load import load
+
+    model = load("gemma-3-270m", device="cpu", weights="auto").model
+    assert isinstance(decode_step_for(model), Gemma3DecodeStep)
+    kwargs = {"turn_lengths": (500, 9), "new_per_turn": 12}
+    fast_cache = DynamicCache(config=model.config)
+    fast = run_conversation(model, fast_cache, **kwargs)
+    ref_cache = DynamicCache(config=model.config)
+    ref = on_the_model_path(monkeypatch, model, ref_cache, **kwargs)
+    assert fast[0] == ref[0]
+    assert all(torch.equal(a, b) for a, b in zip(fast[1], ref[1]))
+    assert same_kv(fast_cache, ref_cache)
