@@ -12,8 +12,8 @@ Rows (a library that is not importable, or a configuration it refuses here, is s
 its reason):
 
 * ``float32``: the dequantized weights (``--weights none``), the baseline of every ratio.
-* ``kvchat int4`` / ``kvchat int8``: kvchat's layers (``kvchat/models/qlinear.py``) on torch's
-  native CPU kernels, as ``--weights int4|int8`` loads them (int4 group 32; int8 per row,
+* ``kvchat int4`` / ``kvchat int8``: kvchat's layers (``kvchat/engine/models/qlinear.py``) on
+  torch's native CPU kernels, as ``--weights int4|int8`` loads them (int4 group 32; int8 per row,
   the vocabulary matrix int8 with float32 refinement of each row's best logits).
 * ``torchao int4`` (``PrototypeInt4WeightOnlyConfig(group_size=32)``, torchao's CPU int4
   layout) and ``torchao int8`` (``Int8WeightOnlyConfig()``), on the model in bfloat16, as
@@ -160,8 +160,8 @@ def engine_reply(loaded: Any, ids: list[int], new_tokens: int) -> dict[str, Any]
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from kvchat.models.load import load
-    from kvchat.models.quantize import weights_nbytes
+    from kvchat.engine.models.load import load
+    from kvchat.engine.models.quantize import weights_nbytes
 
     dtype, weights, backend = ROWS[name]
     loaded = load(args.model_dir, device="cpu", dtype=dtype, weights=weights,
@@ -229,7 +229,7 @@ def main() -> None:
         one(args)
         return
 
-    from kvchat.models.resolve import resolve_model
+    from kvchat.engine.models.resolve import resolve_model
 
     wall = harness.stopwatch()
     args.model_dir = str(resolve_model(args.model).path)

@@ -79,8 +79,8 @@ def decode_pair(loaded: Any, base: Any, bounded: Any, token: int, steps: int, co
 
 
 def smollm2_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from kvchat.chat.conversation import open_session
-    from kvchat.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.engine.chat.conversation import open_session
+    from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
 
     loaded = common.load_model(args.model, "float32")
     rows = []
@@ -135,15 +135,15 @@ def gemma_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from kvchat.chat.generate import prefill
-    from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import CacheSettings
-    from kvchat.kvdirect.footprint import (
+    from kvchat.engine.chat.generate import prefill
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.chat.settings import CacheSettings
+    from kvchat.engine.kvdirect.footprint import (
         bundled_config_dict,
         config_from_dict,
         footprint_from_config,
     )
-    from kvchat.models.loaded import LoadedModel
+    from kvchat.engine.models.loaded import LoadedModel
 
     config = config_from_dict(bundled_config_dict("gemma-3-4b")).get_text_config()
     harness.say("building a Gemma-3-4B-shaped model with random bf16 weights")

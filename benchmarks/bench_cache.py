@@ -4,7 +4,7 @@ For each context length (``--contexts``, default 2048 and 8192; ``--quick``: 512
 and each hot window B (all tokens, 25 % of the context, 64) and checkpoint form (residual,
 kv, auto), a ``ChatSession(CacheSettings(hot_window=B, checkpoint=form))`` is built, its
 cache prefilled with the context (chunks of 256, as the engine does) and ``--new-tokens``
-greedy tokens decoded with no early stop, by ``kvchat.chat.generate.generate`` with
+greedy tokens decoded with no early stop, by ``kvchat.engine.chat.generate.generate`` with
 ``before_forward=session.before_forward`` (how the session drives it). The baseline is a
 ``CacheSettings(kind="standard")`` session, i.e. transformers' ``DynamicCache``, driven by the
 same loop in the same run, so the ratios isolate the cache.
@@ -102,8 +102,8 @@ def run_config(
     With ``keep`` the (detached) session is returned under ``"session"`` for the
     step-interleaved phase, which continues decoding from where this run stopped.
     """
-    from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import CacheSettings
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.chat.settings import CacheSettings
 
     if budget is None:
         settings = CacheSettings(kind="standard", prefill_chunk=CHUNK)
@@ -168,7 +168,7 @@ def measure_context(
     lock_steps: int,
     all_configs: bool = False,
 ) -> dict[str, Any]:
-    from kvchat.kvdirect.planner import choose_forms
+    from kvchat.engine.kvdirect.planner import choose_forms
 
     prompt = seeded_ids(loaded, context, seed)
     total = context + new_tokens + lock_steps

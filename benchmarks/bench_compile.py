@@ -59,13 +59,13 @@ def main() -> None:
     import torch._inductor.config as inductor_config
     from transformers import AutoTokenizer
 
-    from kvchat.chat.settings import CacheSettings
+    from kvchat.engine.chat.settings import CacheSettings
+    from kvchat.engine.models.decode_step import decode_step_for
+    from kvchat.engine.models.fused import ProjectionGroup
+    from kvchat.engine.models.load import load
+    from kvchat.engine.models.qlinear import Int4Linear, int4_mm
+    from kvchat.engine.models.resolve import resolve_model
     from kvchat.lab.texts import STORY
-    from kvchat.models.decode_step import decode_step_for
-    from kvchat.models.fused import ProjectionGroup
-    from kvchat.models.load import load
-    from kvchat.models.qlinear import Int4Linear, int4_mm
-    from kvchat.models.resolve import resolve_model
 
     inductor_config.compile_threads = 1  # no pool of compile workers beside the engine
     path = str(resolve_model(args.model).path)

@@ -1,6 +1,6 @@
 """What the lean decode step buys: kvchat's decode through the model's own forward, through
-``kvchat.models.decode_step`` in Python, and with its layers in C++
-(``kvchat.models.native``: what quantized models use once the library is built; the row is
+``kvchat.engine.models.decode_step`` in Python, and with its layers in C++
+(``kvchat.engine.models.native``: what quantized models use once the library is built; the row is
 skipped without a C++ compiler), in one process, interleaved. Every row calls the same
 attention function (kvchat's exact kernel, once the model is routed to it).
 
@@ -57,11 +57,11 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    import kvchat.chat.generate as generate_module
+    import kvchat.engine.chat.generate as generate_module
+    from kvchat.engine.models.decode_step import decode_step_for
+    from kvchat.engine.models.load import load
+    from kvchat.engine.models.resolve import resolve_model
     from kvchat.lab.texts import STORY
-    from kvchat.models.decode_step import decode_step_for
-    from kvchat.models.load import load
-    from kvchat.models.resolve import resolve_model
 
     path = str(resolve_model(args.model).path)
     loaded = load(path, device="cpu", dtype="auto", weights=args.weights, threads=args.threads)

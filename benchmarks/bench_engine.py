@@ -11,7 +11,7 @@ Configurations:
   min_new_tokens=max_new_tokens=N)``, the whole prompt in one forward call (what generate
   does). The baseline. Prefill/decode split from a timestamping logits processor: it runs
   once per generated token, right after the forward call that produced its logits.
-* ``kvchat chunk=256`` / ``kvchat chunk=1024``: ``kvchat.chat.generate.generate`` on the
+* ``kvchat chunk=256`` / ``kvchat chunk=1024``: ``kvchat.engine.chat.generate.generate`` on the
   cache a default ``ChatSession`` builds (``CacheSettings()``: no ``--max-mem``, so a
   ``KVDirectCache`` whose layers are all in ``kv`` form), ``stop_ids=set()``.
 * ``kvchat loop + DynamicCache``: kvchat's ``generate`` loop over a plain ``DynamicCache``
@@ -87,8 +87,8 @@ def run_hf_generate(loaded: Any, prompt: list[int], new_tokens: int) -> dict[str
 def run_kvchat(
     loaded: Any, prompt: list[int], new_tokens: int, chunk: int, standard: bool = False
 ) -> dict[str, Any]:
-    from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import CacheSettings
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.chat.settings import CacheSettings
 
     settings = CacheSettings(prefill_chunk=chunk, kind="standard" if standard else "kvdirect")
     session = ChatSession(loaded, cache=settings)
@@ -125,9 +125,9 @@ def run_lockstep(loaded: Any, prompt: list[int], new_tokens: int, chunk: int) ->
     import torch
     from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-    from kvchat.chat.generate import prefill
-    from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import CacheSettings
+    from kvchat.engine.chat.generate import prefill
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.chat.settings import CacheSettings
 
     names = {"kvchat": CacheSettings(prefill_chunk=chunk)}
     names["kvchat loop + DynamicCache"] = CacheSettings(kind="standard", prefill_chunk=chunk)

@@ -53,10 +53,10 @@ def write_checkpoint(target: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvchat.kvdirect.footprint import bundled_config_dict, config_from_dict
-    from kvchat.models.meta_init import parameters_on_meta
-    from kvchat.models.resolve import resolve_model
-    from kvchat.models.weights_file import TensorWriter
+    from kvchat.engine.kvdirect.footprint import bundled_config_dict, config_from_dict
+    from kvchat.engine.models.meta_init import parameters_on_meta
+    from kvchat.engine.models.resolve import resolve_model
+    from kvchat.engine.models.weights_file import TensorWriter
 
     if (target / "model.safetensors").is_file():
         return target
@@ -90,10 +90,10 @@ def write_checkpoint(target: Path) -> Path:
 
 
 def measure(row: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from kvchat.chat.generate import generate
-    from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import CacheSettings, SamplingSettings
-    from kvchat.models.load import load
+    from kvchat.engine.chat.generate import generate
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.engine.models.load import load
 
     t0 = time.perf_counter()
     loaded = load(args.dir, device="cpu", dtype="auto", weights=row["weights"])

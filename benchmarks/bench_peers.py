@@ -25,7 +25,7 @@ Rows:
   with the conversation). Skipped, with a message, when ``llama_cpp`` is not importable
   (``pip install llama-cpp-python``; the runs here used a 0.3.36 wheel built for this CPU).
 
-Before any run, kvchat's C++ decode layers are built (``kvchat.models.native``; once per
+Before any run, kvchat's C++ decode layers are built (``kvchat.engine.models.native``; once per
 torch version, in a process of its own), so that no timed run pays for the build; the line
 ``C++ decode layers:`` says which library the rows use, or why none.
 
@@ -92,10 +92,10 @@ def given_ids(args: argparse.Namespace) -> list[int]:
 
 
 def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
-    from kvchat.chat.generate import generate
-    from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import SamplingSettings
-    from kvchat.models.load import load
+    from kvchat.engine.chat.generate import generate
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.chat.settings import SamplingSettings
+    from kvchat.engine.models.load import load
 
     every_core = spec.get("decode_on_every_core", False)
     loaded = load(
@@ -127,7 +127,7 @@ def measure_hf(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import DynamicCache, LogitsProcessorList
 
-    from kvchat.models.load import load
+    from kvchat.engine.models.load import load
 
     loaded = load(args.model_dir, device="cpu", dtype="float32", weights="none",
                   threads=args.threads)  # fmt: skip
@@ -286,7 +286,7 @@ def main() -> None:
         one(args)
         return
 
-    from kvchat.models.resolve import resolve_model
+    from kvchat.engine.models.resolve import resolve_model
 
     wall = harness.stopwatch()
     args.model_dir = str(resolve_model(args.model).path)

@@ -24,7 +24,7 @@ Timed, once per configuration and repeat, in an order rotating from repeat to re
   a freshly started process would. The OS page cache is warm (the files were just written
   or read), as it is when a conversation is resumed soon after it was saved.
 * (b) ``re-prefill``: the baseline. The same token ids (the conversation's whole history:
-  ``n_cached`` tokens) fed with ``kvchat.chat.generate.prefill`` into a fresh
+  ``n_cached`` tokens) fed with ``kvchat.engine.chat.generate.prefill`` into a fresh
   transformers ``DynamicCache``, in chunks of ``--prefill-chunk`` (the engine's default,
   256), under the engine's inference context. Tokenising the text (a few ms) is not counted.
 * (c) ``resume + first token``: (a), then ``session.send(FOLLOW_UP, max_new_tokens=1)`` with
@@ -63,8 +63,8 @@ FOLLOW_UP = "Which bay holds the most lanterns? Answer in one short sentence."
 # -- the saved conversation -------------------------------------------------------------------
 def build(loaded: Any, root: Path, settings: Any, text: str, reply_tokens: int) -> dict[str, Any]:
     """Save a one-turn conversation under ``root``; what the timed runs need to know."""
-    from kvchat.chat.conversation import open_session
-    from kvchat.chat.settings import SamplingSettings
+    from kvchat.engine.chat.conversation import open_session
+    from kvchat.engine.chat.settings import SamplingSettings
 
     t0 = time.perf_counter()
     session = open_session(loaded, data_dir=root, cache=settings)
@@ -100,7 +100,7 @@ def forget_checksums(path: Path) -> None:
 
 
 def run_resume(loaded: Any, root: Path, settings: Any, conv: dict[str, Any]) -> dict[str, Any]:
-    from kvchat.chat.conversation import open_session
+    from kvchat.engine.chat.conversation import open_session
 
     forget_checksums(conv["path"])
     t0 = time.perf_counter()
@@ -124,8 +124,8 @@ def run_resume(loaded: Any, root: Path, settings: Any, conv: dict[str, Any]) -> 
 def run_resume_first(
     loaded: Any, root: Path, settings: Any, conv: dict[str, Any]
 ) -> dict[str, Any]:
-    from kvchat.chat.conversation import open_session
-    from kvchat.chat.settings import SamplingSettings
+    from kvchat.engine.chat.conversation import open_session
+    from kvchat.engine.chat.settings import SamplingSettings
 
     forget_checksums(conv["path"])
     t0 = time.perf_counter()
@@ -157,8 +157,8 @@ def run_baseline(
     import torch
     from transformers import DynamicCache
 
-    from kvchat.chat.generate import prefill
-    from kvchat.models.quantize import inference_context
+    from kvchat.engine.chat.generate import prefill
+    from kvchat.engine.models.quantize import inference_context
 
     cache = DynamicCache(config=loaded.model.config)
     with inference_context(loaded.model):
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.say(f"loading {args.model} ({args.dtype}) ...")
     loaded = common.load_model(args.model, args.dtype)
 
-    from kvchat.chat.settings import CacheSettings
+    from kvchat.engine.chat.settings import CacheSettings
 
     configs = {
         "default": CacheSettings(prefill_chunk=chunk),

@@ -2,7 +2,7 @@
 
 One process, as ``kvchat`` runs it: python alone; ``import torch``; ``import transformers``;
 transformers' Llama modeling code (what loading any model imports); the default model
-loaded with its default weights (``kvchat.models.load``); one reply (the same 500-token
+loaded with its default weights (``kvchat.engine.models.load``); one reply (the same 500-token
 prompt as ``bench_peers.py``, 64 greedy tokens, the default KV-Direct cache). Each line is
 the RSS then and what that step added. Which optional packages the modeling import pulled
 in (accelerate, scipy, sympy, ...) is printed too: they depend on what is installed.
@@ -38,7 +38,7 @@ from kvchat.units import process_rss as rss  # noqa: E402  (imports no torch)
 _START = """
 import json, sys, time
 import common
-from kvchat.models.load import load
+from kvchat.engine.models.load import load
 started = time.perf_counter()
 loaded = load("smollm2-135m", weights="auto")
 print("RESULT " + json.dumps({"seconds": time.perf_counter() - started,
@@ -109,15 +109,15 @@ def main() -> None:
     import transformers  # noqa: F401
 
     step("import transformers")
-    from kvchat.models.lean_imports import leave_out_scipy
+    from kvchat.engine.models.lean_imports import leave_out_scipy
 
-    leave_out_scipy()  # as kvchat.models.load does first
+    leave_out_scipy()  # as kvchat.engine.models.load does first
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     step("transformers' Llama modeling code")
-    from kvchat.chat.session import ChatSession
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.models.load import load
     from kvchat.lab.texts import STORY
-    from kvchat.models.load import load
 
     loaded = load(args.model, weights="auto")
     step(

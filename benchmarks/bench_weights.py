@@ -85,8 +85,8 @@ def main() -> None:
     parser.add_argument("--json", default="results/bench_weights.json")
     args = parser.parse_args()
 
-    from kvchat.models.load import load
-    from kvchat.models.resolve import resolve_model
+    from kvchat.engine.models.load import load
+    from kvchat.engine.models.resolve import resolve_model
 
     path = str(resolve_model(args.model).path)
     wall = harness.stopwatch()

@@ -72,8 +72,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32") -> Any:
     """The model as the engine holds it (``LoadedModel``), on CPU, with quiet transformers."""
     from transformers.utils import logging as hf_logging
 
-    from kvchat.models.load import load
-    from kvchat.models.resolve import resolve_model
+    from kvchat.engine.models.load import load
+    from kvchat.engine.models.resolve import resolve_model
 
     hf_logging.set_verbosity_error()
     path = resolve_model(spec).path
@@ -96,8 +96,8 @@ def stamped_generate(
     to the next, i.e. one step = argmax + forward. ``at_decode`` runs once, right before the
     first decode forward call (to read counters the prefill left).
     """
-    from kvchat.chat.generate import generate
-    from kvchat.chat.settings import SamplingSettings
+    from kvchat.engine.chat.generate import generate
+    from kvchat.engine.chat.settings import SamplingSettings
 
     n_prefill_calls = -(-len(prompt) // chunk)
     calls: list[float] = []
@@ -134,9 +134,9 @@ def session_reply(
     """One greedy reply of exactly ``new_tokens`` after ``prompt`` through a fresh
     ``ChatSession`` (``cache``: its ``CacheSettings``) and kvchat's ``generate``, the prompt
     in chunks of 256; the session is closed after."""
-    from kvchat.chat.generate import generate
-    from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import SamplingSettings
+    from kvchat.engine.chat.generate import generate
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.chat.settings import SamplingSettings
 
     session = ChatSession(loaded, cache=cache, spill_root=spill_root)
     try:
@@ -163,12 +163,12 @@ def decode_rate(loaded: Any, prompt: list[int], new_tokens: int) -> dict[str, An
 def timed_step(loaded: Any, session: Any, token: int) -> tuple[int, float]:
     """Feed ``token`` to ``session``'s cache as the decode loop does: (next greedy token, s).
 
-    The time is one decode step: the forward call (``kvchat.chat.generate.forward``, with
+    The time is one decode step: the forward call (``kvchat.engine.chat.generate.forward``, with
     the session's ``before_forward``) and the argmax. Call under ``torch.inference_mode``.
     """
     import torch
 
-    from kvchat.chat.generate import forward
+    from kvchat.engine.chat.generate import forward
 
     t0 = time.perf_counter()
     logits = forward(loaded.model, session.cache, [token], loaded.device, session.before_forward)
@@ -235,7 +235,7 @@ def interleaved_decode(loaded: Any, entries: dict[str, Any], steps: int) -> dict
 
 # -- one reply's figures, in a process of its own ----------------------------------------
 def rss_bytes() -> int:
-    """psutil directly, not ``kvchat.chat.memory``: the peers' processes import as little of
+    """psutil directly, not ``kvchat.engine.chat.memory``: the peers' processes import as little of
     kvchat as they can, so their RSS stays theirs."""
     import psutil
 
@@ -335,13 +335,13 @@ def user_text(loaded: Any, target_tokens: int, seed: int) -> tuple[str, int]:
 
 
 def build_native_layers() -> str:
-    """Build kvchat's C++ decode layers (``kvchat.models.native``) before anything is timed,
+    """Build kvchat's C++ decode layers (``kvchat.engine.models.native``) before anything is timed,
     in a process of its own, so that no measured run pays for the build; what happened, in
     words."""
     import subprocess
 
     code = (
-        "from kvchat.models.native import build\n"
+        "from kvchat.engine.models.native import build\n"
         "b = build.start()\n"
         "print(b.wait(600) if b else 'none (KVCHAT_NATIVE=0, no C++ compiler, or a failed build)')"
     )

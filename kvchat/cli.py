@@ -235,7 +235,7 @@ def inspect(
 ) -> None:
     """Bytes per token per layer: K/V, residual checkpoint, standard-cache equivalent."""
     from kvchat.commands.inspect import show_inspect
-    from kvchat.kvdirect.footprint import dtype_itemsize
+    from kvchat.engine.kvdirect.footprint import dtype_itemsize
 
     try:
         dtype_itemsize(dtype)

@@ -63,7 +63,7 @@ SPIN_COUNT = "1000"  # rounds a waiting OpenMP thread spins before it sleeps (se
 SMALL_WEIGHTS = 192 * 2**20  # SmolLM2-135M int4 (91 MiB) and int8 (~135 MiB) decode on one
 
 # The counts in use: for calls of several rows (prefill) and of one row (decode). None:
-# leave torch's count alone (nothing was loaded through kvchat.models.load).
+# leave torch's count alone (nothing was loaded through kvchat.engine.models.load).
 _counts: dict[str, int | None] = {"rows": None, "row": None}
 
 

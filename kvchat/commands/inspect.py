@@ -11,7 +11,7 @@ from kvchat.commands.terminal import fail
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
-    from kvchat.kvdirect.footprint import ModelFootprint
+    from kvchat.engine.kvdirect.footprint import ModelFootprint
 
 
 def measured_costs(fp: ModelFootprint, dtype: str, data_dir: str | None) -> dict[str, Any]:
@@ -20,12 +20,12 @@ def measured_costs(fp: ModelFootprint, dtype: str, data_dir: str | None) -> dict
 
     import torch
 
-    from kvchat.kvdirect.costs import device_costs
+    from kvchat.engine.kvdirect.costs import device_costs
     from kvchat.paths import data_dir as resolve_data_dir
 
     dt = "float32" if dtype == "auto" else dtype
     costs = device_costs(fp, torch.device("cpu"), dt, resolve_data_dir(data_dir))
-    from kvchat.kvdirect.costs import shape_key
+    from kvchat.engine.kvdirect.costs import shape_key
 
     layer = fp.layers[0]
     shapes = {shape_key(x) for x in fp.layers}
@@ -60,7 +60,7 @@ def render_costs(costs: dict[str, Any]) -> str:
 
 def show_models(as_json: bool) -> None:
     """``kvchat models``: one row per alias, and whether it is here already."""
-    from kvchat.models.resolve import list_models
+    from kvchat.engine.models.resolve import list_models
 
     rows = list_models()
     if as_json:
@@ -78,8 +78,8 @@ def show_inspect(
     model: str, dtype: str, n_tokens: int, as_json: bool, show_costs: bool, data_dir: str | None
 ) -> None:
     """``kvchat inspect``: bytes per token per layer, and (``--costs``) measured costs."""
-    from kvchat.kvdirect.footprint import footprint_from_config, load_config
-    from kvchat.kvdirect.inspect_report import inspect_as_dict, render_inspect
+    from kvchat.engine.kvdirect.footprint import footprint_from_config, load_config
+    from kvchat.engine.kvdirect.inspect_report import inspect_as_dict, render_inspect
 
     try:
         fp = footprint_from_config(load_config(model), dtype)

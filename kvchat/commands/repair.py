@@ -17,8 +17,8 @@ from kvchat.threads import resolve_threads
 
 def repair_conversation(conversation_id: str, opts: dict[str, Any]) -> None:
     """Check, load the model the conversation names, rebuild exactly, say what was done."""
-    from kvchat.chat.repair import damaged_turns
-    from kvchat.chat.repair import repair as rebuild
+    from kvchat.engine.chat.repair import damaged_turns
+    from kvchat.engine.chat.repair import repair as rebuild
 
     store = open_store(opts)
     try:

@@ -26,14 +26,14 @@ from kvchat.commands.terminal import (
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
-    from kvchat.chat.session import ChatSession, TurnResult
-    from kvchat.chat.settings import CacheSettings, SamplingSettings
-    from kvchat.models.loaded import LoadedModel
+    from kvchat.engine.chat.session import ChatSession, TurnResult
+    from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.engine.models.loaded import LoadedModel
 
 
 def run_prompts(opts: dict[str, Any], prompts: list[str]) -> None:
     """Answer ``prompts`` in turn; exits with the headless contract's status when not 0."""
-    from kvchat.chat.settings import SamplingSettings
+    from kvchat.engine.chat.settings import SamplingSettings
 
     sampling = SamplingSettings(
         temperature=opts["temperature"],
@@ -55,8 +55,8 @@ def run_prompts(opts: dict[str, Any], prompts: list[str]) -> None:
 
 
 def load_from_options(opts: dict[str, Any], quiet: bool = False) -> LoadedModel:
-    from kvchat.models.load import load
-    from kvchat.models.registry import DEFAULT_MODEL
+    from kvchat.engine.models.load import load
+    from kvchat.engine.models.registry import DEFAULT_MODEL
 
     say = (lambda _m: None) if quiet else note
     return load(
@@ -71,7 +71,7 @@ def load_from_options(opts: dict[str, Any], quiet: bool = False) -> LoadedModel:
 
 
 def cache_settings(opts: dict[str, Any]) -> CacheSettings:
-    from kvchat.chat.settings import CacheSettings
+    from kvchat.engine.chat.settings import CacheSettings
 
     return CacheSettings(
         kind=opts["cache_kind"],
@@ -103,7 +103,7 @@ def open_run_session(opts: dict[str, Any]) -> ChatSession:
 def _load_and_open(opts: dict[str, Any]) -> ChatSession:
     as_json = opts["as_json"]
     loaded = load_from_options(opts, quiet=as_json)
-    from kvchat.chat.conversation import open_session
+    from kvchat.engine.chat.conversation import open_session
 
     if not loaded.has_chat_template:
         note(
@@ -125,7 +125,7 @@ def answer(
     session: ChatSession, prompts: list[str], sampling: SamplingSettings, as_json: bool
 ) -> int:
     """Answer each prompt in turn; returns the exit status."""
-    from kvchat.chat.memory import format_memory_line
+    from kvchat.engine.chat.memory import format_memory_line
 
     unsaved: list[int] = []  # turns answered but not on disk (a later save retries them)
     code = 0

@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvchat.kvdirect.arch import ArchAdapter, UnsupportedArchitectureError
+from kvchat.engine.kvdirect.arch import ArchAdapter, UnsupportedArchitectureError
 
 KEEP = 1e12  # rank offset of slots a policy always keeps (sinks, recent window, SnapKV window)
 

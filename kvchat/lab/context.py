@@ -57,7 +57,7 @@ class LabContext:
         if key not in self._loaded:
             from transformers.utils import logging as hf_logging
 
-            from kvchat.models.load import load
+            from kvchat.engine.models.load import load
 
             hf_logging.set_verbosity_error()
             self._loaded[key] = load(spec, device=self.device, dtype=dtype, progress=self.say)

@@ -103,8 +103,8 @@ def _run(
     say: Any,
     spill_dir: Path | None = None,
 ) -> Run:
-    from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import SamplingSettings
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.chat.settings import SamplingSettings
     from kvchat.errors import NeedsDiskTierError
     from kvchat.units import process_rss
 
@@ -176,8 +176,8 @@ def _run(
 
 def _warm_up(loaded: Any) -> None:
     """One short reply first, so that paging the weights in is not counted as run RSS."""
-    from kvchat.chat.session import ChatSession
-    from kvchat.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
 
     session = ChatSession(loaded, cache=CacheSettings(kind="standard"))
     try:
@@ -193,7 +193,7 @@ def _spill_kwargs(spill_dir: Path | None) -> dict[str, Any]:
     """
     import inspect
 
-    from kvchat.chat.session import ChatSession
+    from kvchat.engine.chat.session import ChatSession
 
     if spill_dir is None or "spill_root" not in inspect.signature(ChatSession).parameters:
         return {}
@@ -260,7 +260,7 @@ def run(ctx: LabContext) -> Section:
     max_new_tokens = 24 if ctx.quick else 40
     loaded = ctx.load(MODEL)
     fp = loaded.footprint
-    from kvchat.chat.settings import CacheSettings
+    from kvchat.engine.chat.settings import CacheSettings
 
     fraction = TARGET_FRACTION_QUICK if ctx.quick else TARGET_FRACTION
     with torch.no_grad():

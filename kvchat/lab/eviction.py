@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from kvchat.chat.generate import forward, prefill
-from kvchat.kvdirect.cache import KVDirectCache
+from kvchat.engine.chat.generate import forward, prefill
+from kvchat.engine.kvdirect.cache import KVDirectCache
 from kvchat.lab.baselines import POLICIES as EVICTION_POLICIES
 from kvchat.lab.baselines import EvictionCache
 from kvchat.lab.context import LabContext
@@ -296,7 +296,7 @@ def cache_factory(loaded: Any, policy: str, budget: int) -> Callable[[], Any]:
 
 
 def _stop_ids(tokenizer: Any) -> set[int]:
-    from kvchat.chat.session import END_OF_TURN_TOKENS
+    from kvchat.engine.chat.session import END_OF_TURN_TOKENS
 
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     vocab = tokenizer.get_vocab()

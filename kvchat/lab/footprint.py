@@ -1,7 +1,7 @@
 """Bytes per token per layer against all layers: the arithmetic behind the paper's headline.
 
-No model is loaded: the figures follow from each bundled config (kvchat/kvdirect/configs), the
-same ``ModelFootprint`` that ``kvchat inspect`` prints and tests check against a real
+No model is loaded: the figures follow from each bundled config (kvchat/engine/kvdirect/configs),
+the same ``ModelFootprint`` that ``kvchat inspect`` prints and tests check against a real
 ``DynamicCache``. The paper's "5 KB vs 136 KB per token" (Gemma 3 4B, bf16) sets ONE layer's
 residual against ALL layers' K/V; like for like, a residual checkpoint per layer is smaller
 than that layer's K+V only for multi-head (MHA) models.
@@ -18,7 +18,7 @@ def _kib(n: float) -> float:
 
 
 def run(ctx: LabContext) -> Section:
-    from kvchat.kvdirect.footprint import (
+    from kvchat.engine.kvdirect.footprint import (
         bundled_aliases,
         bundled_config_dict,
         config_from_dict,

@@ -81,9 +81,9 @@ def compare(model: Any, ids: list[int], chunk: int, decode: int) -> dict[str, An
     """Run ``ids`` through both caches in lockstep; per-layer comparison of the K/V."""
     from transformers import DynamicCache
 
-    from kvchat.chat.generate import forward
-    from kvchat.kvdirect.arch import ArchAdapter
-    from kvchat.kvdirect.cache import KVDirectCache
+    from kvchat.engine.chat.generate import forward
+    from kvchat.engine.kvdirect.arch import ArchAdapter
+    from kvchat.engine.kvdirect.cache import KVDirectCache
 
     device = next(model.parameters()).device
     standard = DynamicCache(config=model.config)

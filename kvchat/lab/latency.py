@@ -150,8 +150,8 @@ def _fill(loaded: Any, layer: int, layout: Layout, ids: list[int]) -> None:
     """Feed ``ids`` in ``layout.chunks`` calls through a KV-Direct cache, up to ``layer``."""
     import torch
 
-    from kvchat.chat.generate import forward
-    from kvchat.kvdirect.cache import KVDirectCache
+    from kvchat.engine.chat.generate import forward
+    from kvchat.engine.kvdirect.cache import KVDirectCache
 
     adapter = loaded.adapter()
     forms = ["kv"] * adapter.num_layers

@@ -42,7 +42,7 @@ def _sizes(quick: bool) -> dict[str, Any]:
 
 def patch_points(model: Any) -> list[Any]:
     """Decoder layers 0..L-1, then the final norm (the stream after the last layer)."""
-    from kvchat.kvdirect.arch import ArchAdapter
+    from kvchat.engine.kvdirect.arch import ArchAdapter
 
     adapter = ArchAdapter(model)
     backbone = adapter.backbone

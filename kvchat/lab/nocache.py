@@ -37,7 +37,7 @@ def cached_greedy(model: Any, prompt: list[int], new: int) -> tuple[list[int], l
     """Reference: one prefill into ``DynamicCache``, then one token per forward call."""
     from transformers import DynamicCache
 
-    from kvchat.chat.generate import forward
+    from kvchat.engine.chat.generate import forward
 
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)

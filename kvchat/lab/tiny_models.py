@@ -118,7 +118,7 @@ def tiny_model(
             if p.dim() >= 2:
                 p.mul_(4.0)
     if kvchat_attention:
-        from kvchat.kvdirect.attention import route
+        from kvchat.engine.kvdirect.attention import route
 
         route(model)
     return model

@@ -8,8 +8,8 @@ from typing import Any
 
 import uvicorn
 
-from kvchat.chat.settings import CacheSettings
-from kvchat.models.loaded import LoadedModel
+from kvchat.engine.chat.settings import CacheSettings
+from kvchat.engine.models.loaded import LoadedModel
 from kvchat.serve.app import create_app
 from kvchat.serve.auth import check_bind
 from kvchat.serve.worker import EngineWorker

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvchat.chat.conversation import open_session
-from kvchat.chat.session import ChatSession
-from kvchat.chat.settings import CacheSettings, SamplingSettings
+from kvchat.engine.chat.conversation import open_session
+from kvchat.engine.chat.session import ChatSession
+from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+from kvchat.engine.models.loaded import LoadedModel
 from kvchat.errors import CeilingTooSmallError, KvchatError, NeedsDiskTierError, StorageError
-from kvchat.models.loaded import LoadedModel
 from kvchat.serve.matcher import ConversationMatcher, message_key
 from kvchat.serve.protocol import DEFAULT_MAX_TOKENS, ChatRequest, RequestError
 from kvchat.serve.redact import Redactor

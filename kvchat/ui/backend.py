@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvchat.chat.memory_snapshot import MemorySnapshot
-from kvchat.chat.settings import SamplingSettings
+from kvchat.engine.chat.memory_snapshot import MemorySnapshot
+from kvchat.engine.chat.settings import SamplingSettings
 
 Progress = Callable[[str], None]
 
@@ -74,7 +74,7 @@ class LaunchOptions:
 
     @classmethod
     def from_cli(cls, opts: dict[str, Any]) -> LaunchOptions:
-        from kvchat.models.registry import DEFAULT_MODEL
+        from kvchat.engine.models.registry import DEFAULT_MODEL
 
         return cls(
             model=opts.get("model") or DEFAULT_MODEL,

@@ -1,4 +1,4 @@
-"""The real engine behind the app: a :class:`~kvchat.chat.session.ChatSession`.
+"""The real engine behind the app: a :class:`~kvchat.engine.chat.session.ChatSession`.
 
 Everything heavy (torch, transformers, the storage layer, which imports torch) is imported
 inside the methods, which the app runs in worker threads, so importing this module costs
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvchat.chat.settings import CacheSettings, SamplingSettings
+from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+from kvchat.engine.models.registry import DEFAULT_MODEL
 from kvchat.errors import KvchatError
-from kvchat.models.registry import DEFAULT_MODEL
 from kvchat.ui.backend import (
     LaunchOptions,
     MemorySnapshot,
@@ -23,8 +23,8 @@ from kvchat.ui.backend import (
 )
 
 if TYPE_CHECKING:
-    from kvchat.chat.session import ChatSession
-    from kvchat.models.loaded import LoadedModel
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.models.loaded import LoadedModel
 
 __all__ = ["DEFAULT_MODEL", "EngineBackend"]
 
@@ -40,7 +40,7 @@ class EngineBackend:
 
     # -- model -----------------------------------------------------------------------------
     def load(self, progress: Progress, spec: str | None = None) -> ModelView:
-        from kvchat.models.load import load
+        from kvchat.engine.models.load import load
 
         if spec:
             self.launch.model = spec
@@ -76,7 +76,7 @@ class EngineBackend:
         )
 
     def _new_session(self, system: str | None, conversation_id: str | None = None) -> ChatSession:
-        from kvchat.chat.conversation import open_session
+        from kvchat.engine.chat.conversation import open_session
 
         return open_session(
             self._loaded,
@@ -155,7 +155,7 @@ class EngineBackend:
         return rows
 
     def open_conversation(self, conv_id: str) -> ResumedConversation:
-        from kvchat.chat.conversation import resumed_view
+        from kvchat.engine.chat.conversation import resumed_view
 
         self._require_session()
         current = self._session.conversation

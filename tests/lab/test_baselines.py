@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from kvchat.chat.generate import forward, prefill
-from kvchat.kvdirect.arch import ArchAdapter, UnsupportedArchitectureError
+from kvchat.engine.chat.generate import forward, prefill
+from kvchat.engine.kvdirect.arch import ArchAdapter, UnsupportedArchitectureError
 from kvchat.lab.baselines import (
     POLICIES,
     EvictionCache,

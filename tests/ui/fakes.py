@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvchat.chat.settings import SamplingSettings
+from kvchat.engine.chat.settings import SamplingSettings
 from kvchat.errors import KvchatError
 from kvchat.ui.backend import (
     LaunchOptions,

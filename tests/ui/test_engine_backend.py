@@ -121,7 +121,7 @@ async def test_real_model_answers_in_the_app(smollm2_dir, tmp_path):
 def test_a_conversation_that_cannot_be_opened_leaves_a_usable_session(smollm2_dir, tmp_path):
     """A conversation that cannot be opened (here: no such id) fails with one line; the
     backend keeps a working session instead of the one it closed to open it."""
-    from kvchat.chat.settings import SamplingSettings
+    from kvchat.engine.chat.settings import SamplingSettings
 
     backend = EngineBackend(cli_opts(model=str(smollm2_dir), data_dir=str(tmp_path)))
     backend.load(lambda _m: None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from kvchat.chat.settings import SamplingSettings
+from kvchat.engine.chat.settings import SamplingSettings
 from kvchat.ui import commands
 from kvchat.ui.format import bar, fmt_bytes, fmt_ratio, sparkline
 from kvchat.ui.screens.settings import parse_settings

@@ -7,7 +7,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from kvchat.chat.memory_snapshot import MemorySnapshot
+from kvchat.engine.chat.memory_snapshot import MemorySnapshot
 from kvchat.ui.widgets.comparison import ComparisonPanel
 
 

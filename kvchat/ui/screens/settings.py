@@ -14,7 +14,7 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Footer, Input, Label, Static, TextArea
 
-from kvchat.chat.settings import SamplingSettings
+from kvchat.engine.chat.settings import SamplingSettings
 
 
 @dataclass

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widget import Widget
 
-from kvchat.chat.memory_snapshot import MemorySnapshot
+from kvchat.engine.chat.memory_snapshot import MemorySnapshot
 from kvchat.ui.format import bar, fmt_bytes, fmt_ratio, sparkline
 
 LABEL_W = 10

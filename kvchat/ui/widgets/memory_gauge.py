@@ -16,7 +16,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from kvchat.chat.memory_snapshot import MemorySnapshot
+from kvchat.engine.chat.memory_snapshot import MemorySnapshot
 from kvchat.ui.format import bar, count, fmt_bytes, fmt_ratio
 
 LABEL_W = 9

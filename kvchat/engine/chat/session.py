@@ -1,0 +1,519 @@
+"""A chat conversation held by the engine: messages, token ids and the cache, across turns.
+
+Each turn feeds only what is new since the last one (the user's message in the chat
+template, plus the last generated token that the decode loop had not fed yet), so the
+conversation state carries over instead of the whole history being prefilled again.
+This is what the UI and the CLI drive; they get plain Python values back, never tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvchat.engine.chat.memory_snapshot import MemorySnapshot
+from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+from kvchat.engine.models.loaded import LoadedModel
+from kvchat.errors import KvchatError
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+    from kvchat.engine.kvdirect.cache import KVDirectCache
+    from kvchat.engine.kvdirect.costs import DeviceCosts
+    from kvchat.engine.kvdirect.planner import Plan, Planner
+    from kvchat.storage import Conversation
+
+PLAIN_STOP_STRINGS = ("\nUser:", "\nuser:")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+
+
+@dataclass
+class TurnResult:
+    reply: str
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    memory: MemorySnapshot
+    prefill_seconds: float
+    decode_seconds: float
+    fell_back_to_full_prefill: bool = False
+    error: str | None = None  # why the reply ended early (e.g. the ceiling was reached)
+    save_error: str | None = None  # why the turn is not on disk (a later save retries it)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.finish_reason == "cancelled"
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return len(self.tokens) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class ChatSession:
+    """One conversation. Not thread-safe: one ``send`` at a time."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        system: str | None = None,
+        cache: CacheSettings | None = None,
+        spill_root: Path | None = None,
+        forms: list[str] | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.system = system
+        self.cache_settings = cache or CacheSettings()
+        self.messages: list[dict[str, str]] = []
+        self.token_ids: list[int] = []  # every token of the conversation, in order
+        self._rendered = ""  # text the token ids stand for, in the template's terms
+        self._compute_seconds = 0.0
+        self.conversation: Conversation | None = None  # when saving
+        # Makes the conversation at the first save (no empty ones are left behind).
+        self._create_conversation: Callable[[], Conversation] | None = None
+        self._stop_ids: set[int] | None = None
+        self._saved_upto = 0  # cache positions already in the conversation's files
+        self._unsaved_messages: list[dict[str, str]] = []
+        self._unsaved_ids: list[int] = []
+        self._unsaved_calls: list[int] = []  # rows of each forward call since the last save
+        self._rebase = False  # the state was rebuilt from text: save it whole, from 0
+        self._cache_broken = False  # a forward call failed half way: rebuild before reuse
+        self.spill_root: Path | None = spill_root  # where the disk tier spills (data dir)
+        self.plan: Plan | None = None  # the planner's last plan (kvdirect under a ceiling)
+        self.state_peak_bytes = 0  # the most resident state held at once (see memory.py)
+        self._build_cache(forms)
+
+    # -- cache ---------------------------------------------------------------------------
+    def _build_cache(self, forms: list[str] | None = None) -> None:
+        """``forms``: per-layer cold forms of a resumed conversation (kept as saved)."""
+        settings = self.cache_settings
+        self.planner: Planner | None = None
+        self.cache: KVDirectCache | DynamicCache
+        self.forms: list[str] | None
+        if settings.kind == "standard":
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=self.loaded.model.config)
+            self.forms = None
+        elif settings.kind == "kvdirect":
+            from kvchat.engine.kvdirect.cache import HOT_RESERVE_ROWS, KVDirectCache
+            from kvchat.engine.kvdirect.planner import Planner, choose_forms
+
+            if forms is None and settings.max_mem is None and settings.hot_window is None:
+                # Nothing can ever be evicted: checkpoints would be pure overhead.
+                forms = ["kv"] * self.loaded.footprint.num_layers
+            elif forms is None:
+                forms = choose_forms(self.loaded.footprint, settings.checkpoint, self._costs())
+            self.forms = forms
+            self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window)
+            self.cache.spill_root = self.spill_root
+            if settings.max_mem is None:
+                self.cache.hot_reserve = HOT_RESERVE_ROWS
+            self.cache.attach()
+            self.planner = Planner(
+                self.loaded.footprint, forms, settings.max_mem, settings.prefill_chunk
+            )
+        else:
+            raise KvchatError(f"unknown cache kind {settings.kind!r}; use kvdirect or standard")
+
+    def _costs(self) -> DeviceCosts | None:
+        """Measured read and recompute costs (``auto`` only; cached after the first run)."""
+        if self.cache_settings.checkpoint != "auto":
+            return None
+        from kvchat.engine.kvdirect.costs import device_costs
+        from kvchat.paths import data_dir
+
+        root = self.spill_root or data_dir()
+        loaded = self.loaded
+        return device_costs(loaded.footprint, loaded.device, loaded.dtype, root)
+
+    def _detach_cache(self) -> None:
+        close = getattr(self.cache, "close", None)
+        if close is not None:
+            close()
+
+    def close(self) -> None:
+        """Unhook the cache from the model and release the conversation's lock."""
+        self._detach_cache()
+        if self.conversation is not None:
+            self.conversation.close()
+
+    def before_forward(self, n_new: int) -> None:
+        """Plan for ``n_new`` more tokens and meet the plan (what every forward call of a
+        session runs first; benchmarks that drive the model directly call it too)."""
+        self._before_forward(n_new)
+
+    def _before_call(self, n_new: int) -> None:
+        """``before_forward`` for the calls of a turn, which also records their sizes: a
+        repair replays them, because the same rows fed in other chunks give other bits."""
+        self.before_forward(n_new)
+        self._unsaved_calls.append(n_new)
+
+    def _before_forward(self, n_new: int) -> None:
+        self._note_state_peak()
+        if self.planner is None:
+            if self.cache_settings.max_mem is not None:
+                self._check_standard_ceiling(n_new)
+            return
+        self.plan = self._plan(self.cache.get_seq_length() + n_new)
+        self.cache.apply_plan(self.plan)
+
+    def _release_reserve(self) -> None:
+        """The rows decode reserved ahead go back once the reply is done (see
+        ``KVDirectCache.hot_reserve``), and so does the heap they leave free."""
+        release = getattr(self.cache, "release_reserve", None)
+        if release is not None and self.cache.hot_reserve:
+            from kvchat.engine.models.heap import return_freed_memory
+
+            release()
+            return_freed_memory()
+
+    def _note_state_peak(self) -> None:
+        """Resident state as the last forward call left it, held all at once (hot K/V,
+        resident checkpoints, token ids and that call's scratch): the peak the ceiling bounds."""
+        stats = getattr(self.cache, "stats", None)
+        if stats is None:
+            return
+        now = self.cache.hot_bytes() + self.cache.checkpoint_bytes() + stats.step_scratch_bytes
+        self.state_peak_bytes = max(self.state_peak_bytes, now + 8 * len(self.token_ids))
+
+    def _plan(self, n_tokens: int) -> Plan:
+        """The planner's plan for ``n_tokens``, its hot window capped by --hot-window."""
+        import dataclasses
+
+        plan = self.planner.plan(n_tokens)
+        explicit = self.cache_settings.hot_window
+        if explicit is not None:
+            window = explicit if plan.hot_window is None else min(plan.hot_window, explicit)
+            kv_window = explicit if plan.kv_window is None else min(plan.kv_window, explicit)
+            plan = dataclasses.replace(plan, hot_window=window, kv_window=kv_window)
+        return plan
+
+    def _check_standard_ceiling(self, n_new: int) -> None:
+        from kvchat.errors import NeedsDiskTierError
+        from kvchat.units import human_bytes
+
+        n_after = self.cache.get_seq_length() + n_new
+        need = self.loaded.footprint.standard_cache_bytes(n_after)
+        if need > self.cache_settings.max_mem:
+            raise NeedsDiskTierError(
+                f"the standard cache needs {human_bytes(need)} for {n_after} tokens, over "
+                f"--max-mem {human_bytes(self.cache_settings.max_mem)}; use --cache kvdirect "
+                "or raise --max-mem"
+            )
+
+    def _fit_context(self, n_tokens: int, sampling: SamplingSettings) -> SamplingSettings:
+        """Refuse a conversation longer than the model's positions (past them a model says
+        garbage); let the reply use only the positions left."""
+        import dataclasses
+
+        from kvchat.errors import ContextTooLongError
+
+        limit = getattr(self.loaded.model.config, "max_position_embeddings", None)
+        if not isinstance(limit, int) or limit <= 0:
+            return sampling
+        if n_tokens >= limit:
+            raise ContextTooLongError(
+                f"the conversation would be {n_tokens:,} tokens, but {self.loaded.name} "
+                f"handles at most {limit:,} (max_position_embeddings); shorten the prompt "
+                "or start a new conversation"
+            )
+        room = limit - n_tokens
+        if sampling.max_new_tokens > room:
+            sampling = dataclasses.replace(sampling, max_new_tokens=room)
+        return sampling
+
+    # -- prompt rendering ----------------------------------------------------------------
+    def _conversation(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        tok = self.loaded.tokenizer
+        if self.loaded.has_chat_template:
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # A base model continues text: the prompt as written, no "User:/Assistant:" wrapper
+        # (which a base model imitates). Later turns continue the text on a new line.
+        bos = tok.bos_token if getattr(tok, "add_bos_token", False) and tok.bos_token else ""
+        text = ""
+        for m in messages:
+            if m["role"] == "system":
+                text += m["content"] + "\n\n"
+            elif m["role"] == "user":
+                text += ("\n" if text and not text.endswith("\n") else "") + m["content"]
+            else:
+                text += " " + m["content"] if m["content"] else ""
+        return bos + text
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def stop_ids(self) -> set[int]:
+        """EOS and end-of-turn ids; computed once (building the vocab dict is not free)."""
+        if self._stop_ids is None:
+            self._stop_ids = self._find_stop_ids()
+        return self._stop_ids
+
+    def _find_stop_ids(self) -> set[int]:
+        tok = self.loaded.tokenizer
+        ids: set[int] = set()
+        for source in (
+            tok.eos_token_id,
+            getattr(self.loaded.model.generation_config, "eos_token_id", None),
+        ):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        if self.loaded.has_chat_template:
+            vocab = tok.get_vocab()
+            ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        return ids
+
+    # -- a turn --------------------------------------------------------------------------
+    def send(
+        self,
+        text: str,
+        sampling: SamplingSettings | None = None,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> TurnResult:
+        """Add a user message, generate the reply, stream it through ``on_text``."""
+        from kvchat.engine.chat.generate import generate
+
+        sampling = sampling or SamplingSettings()
+        self.messages.append({"role": "user", "content": text})
+        full = self._render(self._conversation())
+        fell_back = False
+        if self._rendered and full.startswith(self._rendered) and not self._cache_broken:
+            new_ids = self._tokenize(full[len(self._rendered) :])
+        else:
+            if self._rendered:
+                # The template rewrote earlier turns (or a forward call failed half way):
+                # start the state again from the text.
+                fell_back = True
+                self._detach_cache()
+                self._build_cache()
+                self.token_ids = []
+                self._unsaved_calls = []
+                self._rebase = True  # the next save replaces the saved state (see save)
+                self._cache_broken = False
+            new_ids = self._tokenize(full)
+        to_feed = (self.token_ids + new_ids)[self.cache.get_seq_length() :]
+        try:
+            sampling = self._fit_context(len(self.token_ids) + len(new_ids), sampling)
+            self.before_forward(len(to_feed))  # refuse a prompt that cannot fit, feed nothing
+            prefill_chunk = self.cache_settings.prefill_chunk
+        except KvchatError:
+            self.messages.pop()
+            raise
+        self.token_ids.extend(new_ids)
+        self._rendered = full
+
+        from kvchat.engine.chat.detokenizer import IncrementalDecoder, StopStrings
+
+        tok = self.loaded.tokenizer
+        plain = not self.loaded.has_chat_template
+        decoder = IncrementalDecoder(tok)
+        stops = StopStrings(PLAIN_STOP_STRINGS if plain else ())
+
+        def show(text: str) -> bool:
+            """Stream ``text`` (minus any stop string); True once a stop string appeared."""
+            text, stopped = stops.feed(text)
+            if text and on_text is not None:
+                on_text(text)
+            return stopped
+
+        def on_token(token_id: int) -> bool:
+            return show(decoder.push(token_id))
+
+        start = time.perf_counter()
+        try:
+            outcome = generate(
+                self.loaded.model,
+                self.cache,
+                to_feed,
+                device=self.loaded.device,
+                settings=sampling,
+                stop_ids=self.stop_ids(),
+                prefill_chunk=prefill_chunk,
+                before_forward=self._before_call,
+                on_token=on_token,
+                should_stop=should_stop,
+                on_progress=on_progress,
+            )
+        except BaseException:
+            # A forward call may have stopped half way (layers disagree on what they hold):
+            # the next turn rebuilds the state from the text instead of trusting it.
+            self._cache_broken = True
+            raise
+        self._compute_seconds += time.perf_counter() - start
+        self._release_reserve()
+        show(decoder.flush())  # a reply cut by length may end inside a held-back tail
+        tail = stops.flush()
+        if tail and on_text is not None:
+            on_text(tail)
+        reply_ids = outcome.tokens
+        reply = tok.decode(reply_ids, skip_special_tokens=True)
+        if plain:
+            cuts = [reply.find(s) for s in PLAIN_STOP_STRINGS if s in reply]
+            if cuts:
+                reply = reply[: min(cuts)]
+        reply = reply.strip() if plain else reply
+        self.token_ids.extend(reply_ids)
+        self.messages.append({"role": "assistant", "content": reply})
+        # The text the ids stand for: the template's prefix plus the reply as generated,
+        # special tokens included (an end-of-turn id renders as its marker).
+        self._rendered = full + tok.decode(reply_ids, skip_special_tokens=False)
+        self._unsaved_messages += self.messages[-2:]
+        self._unsaved_ids += new_ids + reply_ids
+        error = outcome.error
+        save_error = None
+        if self.conversation is not None or self._create_conversation is not None:
+            save_error = self.save()
+            error = save_error or error
+        return TurnResult(
+            reply=reply,
+            tokens=reply_ids,
+            prompt_tokens=len(to_feed),
+            finish_reason=outcome.finish_reason,
+            memory=self.memory(),
+            prefill_seconds=outcome.prefill_seconds,
+            decode_seconds=outcome.decode_seconds,
+            fell_back_to_full_prefill=fell_back,
+            error=error,
+            save_error=save_error,
+        )
+
+    def seed_history(self, messages: list[dict[str, str]]) -> None:
+        """Start from earlier turns known only as text (a client's own history): they are
+        prefilled with the next message and saved with it, so a new saved conversation
+        holds them all."""
+        if self.messages or self.token_ids:
+            raise KvchatError("a history can only seed a session that has not spoken yet")
+        self.messages = [dict(m) for m in messages]
+        self._unsaved_messages = [dict(m) for m in messages]
+
+    # -- persistence ---------------------------------------------------------------------
+    def attach_conversation(self, conversation: Conversation) -> None:
+        """Save every turn from now on into ``conversation`` (an open, locked store entry)."""
+        self.conversation = conversation
+
+    def save_on_first_turn(self, create: Callable[[], Conversation]) -> None:
+        """Save every turn, into a conversation ``create()`` makes at the first save."""
+        self._create_conversation = create
+
+    def save(self) -> str | None:
+        """Write what changed since the last save as one turn; returns an error message or
+        None. On failure the conversation stays in memory and the next save retries."""
+        from kvchat.engine.chat.persist import encode_calls, note_saved, turn_tensors
+        from kvchat.errors import StorageError
+
+        n_cached = self.cache.get_seq_length()
+        try:
+            if self.conversation is None:
+                self.conversation = self._create_conversation()
+                self._create_conversation = None
+            # A rebase turn (the template rewrote history, so the state was rebuilt from
+            # text) carries the whole state and all token ids; resume starts from it.
+            since = 0 if self._rebase else self._saved_upto
+            ids_from = self.conversation.manifest.engine_state.get("ids_from", 0)
+            if self._rebase:
+                ids_from = len(self.conversation.manifest.token_ids)
+            self.conversation.append_turn(
+                messages=self._unsaved_messages,
+                token_ids=list(self.token_ids) if self._rebase else self._unsaved_ids,
+                tensors=turn_tensors(self.cache, since),
+                extra={
+                    "n_cached": n_cached,
+                    "memory": self.memory().to_dict(),
+                    "rebase": self._rebase,
+                    "calls": encode_calls(self._unsaved_calls),
+                },
+                engine_state={
+                    "rendered": self._rendered,
+                    "system": self.system,
+                    "forms": self.forms,
+                    "cache": self.cache_settings.as_dict(),
+                    "n_cached": n_cached,
+                    "ids_from": ids_from,
+                },
+            )
+        except StorageError as exc:
+            return str(exc)
+        self._saved_upto = n_cached
+        self._unsaved_messages, self._unsaved_ids, self._unsaved_calls = [], [], []
+        self._rebase = False
+        try:
+            note_saved(self.cache, self.conversation, len(self.conversation.manifest.turns), since)
+        except (KvchatError, OSError) as exc:
+            # The turn is saved; only re-pointing checkpoints at it failed, so they stay in
+            # the spill files, which are kept.
+            return f"turn saved, but its checkpoints stay in the spill files ({exc})"
+        self._unsaved_messages, self._unsaved_ids = [], []
+        return None
+
+    @classmethod
+    def resume(
+        cls,
+        loaded: LoadedModel,
+        conversation: Conversation,
+        cache: CacheSettings | None = None,
+        spill_root: Path | None = None,
+    ) -> ChatSession:
+        """Rebuild a saved conversation exactly: messages, token ids and the cache state.
+
+        ``cache`` may change the ceiling, the hot window and the checkpoint form: saved
+        pieces keep the form they were saved in, new tokens take the one chosen now.
+        """
+        manifest = conversation.manifest
+        state = manifest.engine_state
+        saved = CacheSettings(**state.get("cache", {}))
+        if cache is not None:
+            saved.max_mem, saved.hot_window = cache.max_mem, cache.hot_window
+            saved.checkpoint = cache.checkpoint
+        session = cls(loaded, system=state.get("system"), cache=saved, spill_root=spill_root)
+        try:
+            session._restore_from(conversation, state)
+        except BaseException:
+            session._detach_cache()  # unhook from the model; the caller closes the conversation
+            raise
+        return session
+
+    def _restore_from(self, conversation: Conversation, state: dict) -> None:
+        from kvchat.engine.chat.persist import restore
+
+        manifest = conversation.manifest
+        n_cached = int(state.get("n_cached", 0))
+        if self.planner is not None:
+            self.plan = self._plan(n_cached)
+            self.cache.apply_plan(self.plan)
+        restore(self.cache, conversation, n_cached, self.loaded.device)
+        self.messages = [dict(m) for m in manifest.messages]
+        self.token_ids = list(manifest.token_ids[int(state.get("ids_from", 0)) :])
+        self._rendered = state.get("rendered", "")
+        self._saved_upto = n_cached
+        self.conversation = conversation
+
+    def disk_bytes(self) -> int:
+        """Saved segments plus checkpoints spilled since the last save."""
+        spilled = getattr(self.cache, "disk_bytes", lambda: 0)()
+        if self.conversation is None:
+            return spilled
+        return spilled + sum(t.segment.nbytes for t in self.conversation.manifest.turns)
+
+    # -- accounting ----------------------------------------------------------------------
+    def memory(self) -> MemorySnapshot:
+        from kvchat.engine.chat.memory import snapshot
+
+        return snapshot(self)
+
+    @property
+    def compute_seconds(self) -> float:
+        return self._compute_seconds

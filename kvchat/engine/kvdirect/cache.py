@@ -1,0 +1,1021 @@
+"""The KV-Direct cache: a bounded hot window of K/V, residual checkpoints, exact recompute.
+
+It plugs into transformers as a ``Cache`` whose layers return, on every ``update``, the
+same K/V tensors an unbounded ``DynamicCache`` would return, while holding only:
+
+* the K/V of the most recent ``hot_window`` tokens (per layer);
+* for every token, the residual ``h_l`` that entered layer ``l`` (captured by a forward
+  pre-hook on each decoder layer), from which its K/V are recomputed when attention needs
+  them and they are no longer hot.
+
+How recompute is made bit-identical
+-----------------------------------
+On CPU the k/v projection GEMM gives a row a result that depends on how many rows the call
+had (oneDNN/MKL pick another kernel for M=1 than for M>=2 and tile by M), so recomputing
+all cold rows in one batched call differs from the cached K/V by ~1e-6 (fp32). The cache
+therefore stores residuals *grouped by the forward call that produced them* (``_Call``: a
+prefill chunk of M rows, or one decoded token) and replays each group with the same rows in
+the same shape: norm -> projection -> k-norm -> RoPE at the original positions. Same kernel,
+same inputs, same bits. ``tests/engine/kvdirect/test_cache_exact.py`` checks ``torch.equal`` against
+``DynamicCache`` per layer, in fp32 and bf16, for every family.
+
+The price is that each decoded token that has left the hot window costs one small GEMV per
+layer per step when it is recomputed; prefill chunks cost one GEMM each. The benchmarks
+measure it.
+
+Where rows live
+---------------
+Each layer's cold rows sit in a ``RowStore`` (state_store.py) as pieces of either form --
+the residual (recomputed, as above) or the K/V themselves (read back, bit for bit) -- and in
+one of three places: resident, a spill file, or a saved segment. A layer has a *capture*
+form, what its new tokens become: residual layers checkpoint every token's residual as it
+passes (hot tokens too, since the residual exists only during the forward call); K/V-form
+layers write a token's K/V out only when it leaves the hot window, so with nothing evicted
+a K/V-form layer holds exactly what ``DynamicCache`` holds. A store may mix forms (a
+conversation saved as residuals and resumed as K/V keeps its old pieces as they are).
+
+How K/V-form rows reach attention
+--------------------------------
+While one layer's whole K/V fits in scratch, stored K/V rows are read (on CPU) straight into
+a token-major buffer, the hot window and the new rows copied in behind them, and attention
+gets strided head-major views of it: kvchat's attention kernel reads rows by stride, so the
+same bits as for contiguous K/V, and nothing is regathered. Two such buffers alternate by
+layer, so the next layer's rows are read in the background while a layer computes. Below
+that, attention is streamed window by window (streamed_attention.py).
+
+Sliding-window layers (Gemma 3, Mistral) return exactly what ``DynamicSlidingWindowLayer``
+returns (the last ``window - 1`` tokens plus the new ones) and drop a call's residuals once
+none of its rows can be seen again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvchat.engine.kvdirect.attention import route
+from kvchat.engine.kvdirect.disk_tier import DiskRows, RowFile, SpillArea
+from kvchat.engine.kvdirect.planner import READ_CHUNK_ROWS
+from kvchat.engine.kvdirect.state_store import Piece, RowStore, nbytes, sub_rows
+from kvchat.errors import NeedsDiskTierError, StorageError
+from kvchat.threads import rows_threads
+
+if TYPE_CHECKING:
+    from kvchat.engine.kvdirect.arch import ArchAdapter
+    from kvchat.engine.kvdirect.planner import Plan
+
+CHECKPOINT_FORMS = ("residual", "kv", "auto")
+MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
+# The same for sliding layers, whose pieces go as the window moves past their last row:
+# smaller pieces free their spill space sooner (a file then holds about one window).
+SLIDING_PIECE_ROWS = 32
+# Rows a growing hot window reserves ahead when the cache allows it (no ceiling: nothing
+# ever leaves): a decode step then copies one row instead of concatenating the whole window
+# into a fresh tensor, at every layer.
+HOT_RESERVE_ROWS = 64
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in storage of its own size, so a kept slice never pins a whole chunk's tensor."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == nbytes(t):
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def _leads(view: torch.Tensor | None, storage: torch.Tensor) -> bool:
+    """Whether ``view`` is the leading rows (dim -2) of ``storage``."""
+    return (
+        view is not None
+        and view.data_ptr() == storage.data_ptr()
+        and view.shape[:2] == storage.shape[:2]
+        and view.shape[-1] == storage.shape[-1]
+        and view.stride() == storage.stride()
+        and view.shape[-2] <= storage.shape[-2]
+    )
+
+
+def pack_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[1, H, M, d] K and V -> token-major rows [1, M, 2 * H * d] (all K heads, then V)."""
+    m = keys.shape[-2]
+    k = keys.transpose(1, 2).reshape(1, m, -1)
+    v = values.transpose(1, 2).reshape(1, m, -1)
+    return torch.cat([k, v], dim=-1)
+
+
+def unpack_kv(rows: torch.Tensor, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``pack_kv``: views, no copy."""
+    m = rows.shape[1]
+    both = rows.view(1, m, 2, heads, dim)
+    return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
+
+
+class CacheStats:
+    """Counters the accounting snapshot reads."""
+
+    def __init__(self) -> None:
+        self.recompute_seconds = 0.0
+        self.recomputed_tokens = 0
+        self.read_seconds = 0.0  # reading K/V-form rows back from disk
+        self.scratch_peak_bytes = 0
+        self.step_scratch_bytes = 0  # largest scratch since the last forward call began
+        self.spilled_bytes = 0  # bytes moved to disk (cumulative)
+        self.disk_read_bytes = 0  # bytes read back from disk (cumulative)
+        self.rows_read_in_place = 0  # cold rows read straight into attention's buffer
+
+    def note_scratch(self, n: int) -> None:
+        self.scratch_peak_bytes = max(self.scratch_peak_bytes, n)
+        self.step_scratch_bytes = max(self.step_scratch_bytes, n)
+
+
+class KVDirectLayer(CacheLayerMixin):
+    """One attention layer of the KV-Direct cache."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(
+        self,
+        owner: KVDirectCache,
+        layer_idx: int,
+        form: str,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        if form not in ("residual", "kv"):
+            raise ValueError(f"unknown checkpoint form {form!r}")
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.form = form  # what new tokens leave behind
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.cumulative_length = 0
+        self.store = RowStore(
+            layer_idx, max_piece_rows=SLIDING_PIECE_ROWS if self.is_sliding else MAX_PIECE_ROWS
+        )
+        self.kv_heads, self.head_dim = owner.adapter.kv_shape(layer_idx)
+        self.pending_residual: torch.Tensor | None = None
+        # Cold positions [begin, end) left for the streamed attention to fetch (disk tier).
+        self.pending_cold: tuple[int, int] | None = None
+        # K/V leaving the hot window while streamed attention still reads cold rows that
+        # die with this call: written out once it has (finish_streamed), into their space.
+        self.pending_write: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # K/V-form rows already in a saved segment while still hot: (start, end, where).
+        # When they leave the hot window they point there instead of being written again.
+        self.saved_hot: list[tuple[int, int, DiskRows]] = []
+        # (keys, values) storage with room for HOT_RESERVE_ROWS more rows, of which
+        # self.keys / self.values are the leading views; None while the window is compact.
+        self.growth: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- CacheLayerMixin -----------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
+        self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.sliding_window if self.is_sliding else -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Same figures as DynamicLayer / DynamicSlidingWindowLayer: the mask must not know
+        # that part of what we return was recomputed.
+        if not self.is_sliding:
+            return self.cumulative_length + query_length, 0
+        window = self.sliding_window
+        kv_offset = max(self.cumulative_length - window + 1, 0)
+        if self.cumulative_length >= window:
+            return window - 1 + query_length, kv_offset
+        return self.cumulative_length + query_length, kv_offset
+
+    @property
+    def hot_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def attended_range(self) -> tuple[int, int]:
+        """(first position the next call attends to, first hot position): the cold rows
+        the next call needs are the positions between."""
+        start = self.cumulative_length
+        visible_from = 0 if not self.is_sliding else max(0, start - self.sliding_window + 1)
+        return visible_from, start - self.hot_length
+
+    @property
+    def hot_from(self) -> int:
+        return self.cumulative_length - self.hot_length
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending_write is not None:
+            self.finish_streamed()  # the last call's attention never came back for it
+        start = self.cumulative_length
+        new_len = key_states.shape[-2]
+        if self.form == "residual":
+            residual = self.pending_residual
+            if residual is None or residual.shape[1] != new_len:
+                raise RuntimeError(
+                    f"layer {self.layer_idx}: no residual captured for this call; "
+                    "was the cache attached to the model (KVDirectCache.attach)?"
+                )
+            self.store.append(Piece(start, "residual", _compact(residual), calls=[new_len]))
+            self.pending_residual = None
+
+        # Positions attention needs now: everything (full layer) or the last window - 1
+        # past tokens (sliding layer), exactly as the standard cache returns them.
+        visible_from, hot_from = self.attended_range()
+        parts_k, parts_v = [], []
+        in_place: list[Piece] = []  # cold pieces read straight into attention's buffer
+        self.pending_cold = None
+        if visible_from < hot_from:
+            if self.owner.stream_chunk is not None:
+                # Too big to hold at once: attention fetches it chunk by chunk (see
+                # streamed_attention.py); we hand over only what is hot.
+                from kvchat.engine.kvdirect.attention import installed, set_pending_stream
+
+                module = self.owner.adapter.attention_module(self.layer_idx)
+                if not installed(module.config):
+                    # The model's own attention would see only the hot K/V: refuse loudly
+                    # (someone called set_attn_implementation on the shared model).
+                    raise RuntimeError(
+                        f"layer {self.layer_idx}: streamed attention is not installed "
+                        f"(attention implementation "
+                        f"{module.config._attn_implementation!r}); the cold K/V would be skipped"
+                    )
+                self.pending_cold = (visible_from, hot_from)
+                set_pending_stream(self)
+            else:
+                in_place = self._in_place_pieces(visible_from, hot_from, key_states)
+                cold = (
+                    [] if in_place else self.iter_cold_kv(visible_from, hot_from, READ_CHUNK_ROWS)
+                )
+                for cold_k, cold_v in cold:
+                    parts_k.append(cold_k)
+                    parts_v.append(cold_v)
+        skip = max(0, visible_from - hot_from)  # hot tokens a sliding layer can no longer see
+        if not (in_place or parts_k or self.pending_cold) and self._grows():
+            self.cumulative_length = start + new_len
+            self._append_hot(key_states, value_states)
+            return self.keys, self.values
+        hot_k, hot_v = self.keys[..., skip:, :], self.values[..., skip:, :]
+        if in_place:
+            full_k, full_v = self._token_major(
+                in_place, visible_from, hot_from, [(hot_k, hot_v), (key_states, value_states)]
+            )
+        elif parts_k:
+            # Into buffers reused by every layer and step: attention reads them before the
+            # next layer's update refills them, and the hot window is copied out below.
+            full_k = self.owner.kv_buffer("k", [*parts_k, hot_k, key_states])
+            full_v = self.owner.kv_buffer("v", [*parts_v, hot_v, value_states])
+        else:
+            full_k = torch.cat([hot_k, key_states], dim=-2)
+            full_v = torch.cat([hot_v, value_states], dim=-2)
+        if in_place:
+            # This layer's buffer, and the next layer's being read meanwhile.
+            self.owner.stats.note_scratch(self.owner.rows_buffers_bytes())
+        elif parts_k:
+            held = {
+                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in parts_k + parts_v
+            }
+            scratch = nbytes(full_k) + nbytes(full_v) + sum(held.values())
+            self.owner.stats.note_scratch(scratch)
+        had_cold = bool(in_place or parts_k)
+        del parts_k, parts_v
+
+        self.cumulative_length = start + new_len
+        if not had_cold and skip == 0 and self.keep_hot() >= full_k.shape[-2]:
+            # Nothing leaves the window: what attention gets is the new cache, as in
+            # DynamicLayer (a second concatenation cost ~10% of decode time at 2K-8K).
+            self.keys, self.values = full_k, full_v
+        elif self.owner.stream_chunk is None:
+            self._retain_from(full_k, full_v, visible_from, hot_from)
+        else:
+            self._retain(hot_k, hot_v, key_states, value_states, hot_from + skip)
+        self.keep_under_budget()
+        return full_k, full_v
+
+    # -- the hot window ------------------------------------------------------------------
+    def _window(self) -> int | None:
+        """The hot window this layer's form follows (None: every token)."""
+        return self.owner.kv_window if self.form == "kv" else self.owner.hot_window
+
+    def _live_growth(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The grown storage, if the hot rows are still its leading views (resume or a trim
+        may have set the window since)."""
+        grown = self.growth
+        if grown is None or not _leads(self.keys, grown[0]) or not _leads(self.values, grown[1]):
+            return None
+        return grown
+
+    def _grows(self) -> bool:
+        """Whether every token stays hot for good: no window, no sliding, nothing cold."""
+        return (
+            self.owner.hot_reserve > 0
+            and self._window() is None
+            and not self.is_sliding
+            and self.hot_from == 0
+        )
+
+    def _append_hot(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Copy the new rows behind the hot ones, in the reserve when it has room.
+
+        Attention gets leading views of the grown storage: the same values in the same
+        order as a concatenation, read by stride, so the same bits.
+        """
+        n, new_len = self.hot_length, key_states.shape[-2]
+        grown = self._live_growth()
+        if grown is None or grown[0].shape[-2] < n + new_len:
+            rows = n + new_len + self.owner.hot_reserve
+            k = key_states.new_empty((*key_states.shape[:2], rows, key_states.shape[-1]))
+            v = value_states.new_empty((*value_states.shape[:2], rows, value_states.shape[-1]))
+            k[..., :n, :].copy_(self.keys)
+            v[..., :n, :].copy_(self.values)
+            grown = self.growth = (k, v)
+        grown[0][..., n : n + new_len, :].copy_(key_states)
+        grown[1][..., n : n + new_len, :].copy_(value_states)
+        self.keys = grown[0][..., : n + new_len, :]
+        self.values = grown[1][..., : n + new_len, :]
+
+    def release_reserve(self) -> None:
+        """Hold the hot rows in storage of their own size (between replies)."""
+        if self.growth is not None:
+            self.growth = None
+            self.keys, self.values = _compact(self.keys), _compact(self.values)
+
+    def keep_hot(self) -> int:
+        """How many of the most recent tokens keep their K/V after this step."""
+        window = self._window()
+        keep = self.cumulative_length if window is None else window
+        if self.is_sliding:
+            keep = min(keep, self.sliding_window - 1)
+        return keep
+
+    def _needed_from(self) -> int:
+        """The first position a later query can still see."""
+        if not self.is_sliding:
+            return 0
+        needed = self.cumulative_length - self.sliding_window + 1
+        if self.pending_cold is not None:  # streamed attention still has to read them
+            needed = min(needed, self.pending_cold[0])
+        return max(0, needed)
+
+    def _retain_from(
+        self, full_k: torch.Tensor, full_v: torch.Tensor, first: int, hot_from: int
+    ) -> None:
+        """Keep the last ``keep_hot()`` tokens of ``full_k`` (positions from ``first``, all
+        of them visible; hot before this call from ``hot_from``): slices of what attention
+        gets, so no second concatenation."""
+        keep = min(self.keep_hot(), full_k.shape[-2])
+        end = self.cumulative_length
+        if self.form == "kv":
+            lo = max(first, hot_from, self._needed_from())
+            if lo < end - keep:
+                self._write_out(
+                    full_k[..., lo - first : end - keep - first, :],
+                    full_v[..., lo - first : end - keep - first, :],
+                    lo,
+                )
+        n = full_k.shape[-2]
+        self.keys = full_k[..., n - keep :, :].clone()
+        self.values = full_v[..., n - keep :, :].clone()
+        if self.is_sliding:
+            self.store.drop_before(self._needed_from())
+        self._forget_saved_below(self.hot_from)
+
+    def _retain(
+        self,
+        hot_k: torch.Tensor,
+        hot_v: torch.Tensor,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        first: int,
+    ) -> None:
+        """Keep the last ``keep_hot()`` tokens of [hot, new] (``first``: hot_k's position)."""
+        keep = self.keep_hot()
+        new_len = key_states.shape[-2]
+        end = self.cumulative_length
+        if self.form == "kv":
+            lo = max(first, self._needed_from())
+            leaving_to = end - keep
+            if lo < leaving_to:
+                both_k = torch.cat([hot_k, key_states], dim=-2)
+                both_v = torch.cat([hot_v, value_states], dim=-2)
+                leaving = (
+                    both_k[..., lo - first : leaving_to - first, :],
+                    both_v[..., lo - first : leaving_to - first, :],
+                    lo,
+                )
+                if self.pending_cold is not None and self.is_sliding:
+                    self.pending_write = leaving
+                else:
+                    self._write_out(*leaving)
+        if keep <= 0:
+            self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
+            self.values = value_states.new_empty(
+                (*value_states.shape[:2], 0, value_states.shape[-1])
+            )
+        elif keep <= new_len:
+            self.keys = _compact(key_states[..., new_len - keep :, :])
+            self.values = _compact(value_states[..., new_len - keep :, :])
+        else:
+            old_keep = min(keep - new_len, hot_k.shape[-2])
+            self.keys = torch.cat([hot_k[..., hot_k.shape[-2] - old_keep :, :], key_states], dim=-2)
+            self.values = torch.cat(
+                [hot_v[..., hot_v.shape[-2] - old_keep :, :], value_states], dim=-2
+            )
+        if self.is_sliding:
+            # A piece may go once no row of it can be seen again by a later query.
+            self.store.drop_before(self._needed_from())
+        self._forget_saved_below(self.hot_from)
+
+    def finish_streamed(self) -> None:
+        """Streamed attention has read this call's cold rows: drop those no later query can
+        see, then write out the rows that left the hot window, into the space just freed."""
+        self.store.drop_before(self._needed_from())
+        if self.pending_write is not None:
+            keys, values, first = self.pending_write
+            self.pending_write = None
+            self._write_out(keys, values, first)
+
+    def _forget_saved_below(self, position: int) -> None:
+        while self.saved_hot and self.saved_hot[0][1] <= position:
+            self.saved_hot.pop(0)
+
+    def _write_out(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+        """K/V of positions [first, first + n) leave the hot window: onto disk, as K/V."""
+        self.store.drop_before(self._needed_from())
+        rows = pack_kv(keys, values)
+        n = rows.shape[1]
+        at = 0
+        while at < n:
+            pos = first + at
+            self._forget_saved_below(pos)
+            saved = next(((s, e, w) for s, e, w in self.saved_hot[:2] if s <= pos < e), None)
+            if saved is not None:
+                s, e, where = saved
+                take = min(n - at, e - pos)
+                piece = Piece(pos, "kv", _compact(rows[:, at : at + take]))
+                piece.saved = sub_rows(where, pos - s, pos - s + take)
+            else:
+                nxt = min([s for s, _, _ in self.saved_hot[:2] if s > pos], default=first + n)
+                take = min(n - at, nxt - pos, self.store.max_piece_rows)
+                piece = Piece(pos, "kv", _compact(rows[:, at : at + take]))
+            self._store_piece(piece)
+            at += take
+
+    def _store_piece(self, piece: Piece) -> None:
+        try:
+            self.store.write_out(piece, self.owner.spill_area())
+            self.owner.stats.spilled_bytes += 0 if piece.saved is not None else piece.disk.nbytes
+        except StorageError as exc:
+            # Never fail inside a forward call (the layers would disagree on what they
+            # hold): keep the rows resident, and refuse the next call cleanly.
+            self.owner.spill_error = exc
+            self.store.append(piece)
+
+    def trim_hot(self) -> None:
+        """Drop hot K/V beyond the current window now, not at this layer's next update."""
+        if self.keys is None:
+            return
+        keep = self.keep_hot()
+        if self.keys.shape[-2] > keep:
+            cut = self.keys.shape[-2] - keep
+            if self.form == "kv":
+                lo = max(0, self._needed_from() - self.hot_from)
+                if lo < cut:
+                    self._write_out(
+                        self.keys[..., lo:cut, :], self.values[..., lo:cut, :], self.hot_from + lo
+                    )
+            self.keys = _compact(self.keys[..., cut:, :])
+            self.values = _compact(self.values[..., cut:, :])
+            self._forget_saved_below(self.hot_from)
+
+    # -- reading cold rows ---------------------------------------------------------------
+    def cold_kv(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of positions [begin, end) from the store: residual pieces replayed call by
+        call (see module docstring), K/V pieces read as they are."""
+        pieces = list(self.iter_cold_kv(begin, end, READ_CHUNK_ROWS))
+        cold_k = torch.cat([k for k, _ in pieces], dim=-2)
+        cold_v = torch.cat([v for _, v in pieces], dim=-2)
+        return cold_k, cold_v
+
+    def iter_cold_kv(
+        self, begin: int, end: int, chunk_rows: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """K/V of positions [begin, end) in order, a bounded run of pieces at a time.
+
+        Each run holds whole pieces (a residual piece is replayed with its original row
+        count, which is what keeps the recomputed K/V bit-identical) and at most
+        ``chunk_rows`` rows unless a single piece is longer. Under streamed attention a
+        longer K/V piece is read in ``chunk_rows`` parts; a longer residual piece is still
+        replayed whole (one forward call's rows), since projecting it in parts would change
+        its K/V in the last bits.
+        """
+        pieces = self.store.pieces_in(begin, end)
+        streamed = chunk_rows is not None and self.owner.stream_chunk is not None
+        stats = self.owner.stats
+        device = getattr(self, "device", None) or "cpu"
+        if pieces and all(p.form == "kv" for p in pieces):
+            if streamed:
+                yield from self._kv_windows(pieces, device, begin, end, chunk_rows)
+                return
+            chunk_rows = None  # K/V rows: one read per run of adjacent pieces, no replay
+            scratch = self.owner.read_buffer
+        else:
+            scratch = None
+        i = 0
+        while i < len(pieces):
+            j, rows = i + 1, pieces[i].rows
+            while (
+                chunk_rows is not None and j < len(pieces) and rows + pieces[j].rows <= chunk_rows
+            ):
+                rows += pieces[j].rows
+                j += 1
+            if chunk_rows is None:
+                j = len(pieces)
+            run = pieces[i:j]
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                if streamed and len(run) == 1 and run[0].rows > chunk_rows and run[0].form == "kv":
+                    out = self._in_parts(run[0], device, begin, end, chunk_rows)
+                else:
+                    out = self._to_kv(run, self.store.load(run, device, scratch), begin, end)
+                stats.disk_read_bytes += self.store.read_bytes(run)
+            if any(p.form == "residual" for p in run):
+                stats.recompute_seconds += time.perf_counter() - t0
+                stats.recomputed_tokens += sum(k.shape[-2] for k, _ in out)
+            else:
+                stats.read_seconds += time.perf_counter() - t0
+            yield from out
+            i = j
+
+    def _in_place_pieces(self, begin: int, end: int, key_states: torch.Tensor) -> list[Piece]:
+        """The pieces of cold rows [begin, end) if they can be read straight into
+        attention's buffer (all K/V rows of the model's dtype, on CPU; see
+        ``_token_major``), else none."""
+        if key_states.device.type != "cpu":
+            return []
+        pieces = self.store.pieces_in(begin, end)
+        if all(p.form == "kv" and p.dtype == key_states.dtype for p in pieces):
+            return pieces
+        return []
+
+    def _token_major(
+        self,
+        pieces: list[Piece],
+        begin: int,
+        end: int,
+        after: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the cold positions [begin, end) (held by ``pieces``) followed by the
+        ``after`` K/V pairs, as views of a token-major buffer (one of two, by layer): the
+        stored rows are read into it as they lie on disk, so nothing regathers them; the
+        attention kernel takes the strided views and gives bit-identical results
+        (tests/engine/kvdirect/test_tiers.py). Whole pieces are read, so a piece that starts before
+        ``begin`` leads the buffer."""
+        lead = begin - pieces[0].start
+        stored = pieces[-1].end - pieces[0].start
+        tail = sum(k.shape[-2] for k, _ in after)
+        heads, dim = self.kv_heads, self.head_dim
+        dtype = after[0][0].dtype
+        rows = max(stored, lead + end - begin) + tail
+        width = 2 * heads * dim
+        stats = self.owner.stats
+        t0 = time.perf_counter()
+        flat = self.owner.take_prefetched(self.layer_idx, pieces, rows * width)
+        if flat is None:
+            flat = self.owner.rows_buffer(rows * width, dtype, self.layer_idx % 2)
+            self.store.read_into(pieces, flat[: stored * width].view(torch.uint8))
+        stats.read_seconds += time.perf_counter() - t0
+        stats.disk_read_bytes += self.store.read_bytes(pieces)
+        stats.rows_read_in_place += stored
+        # While this layer computes, the next one's cold rows come in on the other core.
+        self.owner.prefetch(self.layer_idx + 1, dtype, key_states_rows=after[-1][0].shape[-2])
+        both = flat.view(1, rows, 2, heads, dim)
+        at = lead + (end - begin)
+        for k, v in after:
+            n = k.shape[-2]
+            both[:, at : at + n, 0].copy_(k.transpose(1, 2))
+            both[:, at : at + n, 1].copy_(v.transpose(1, 2))
+            at += n
+        visible = both[:, lead:at]
+        return visible[:, :, 0].transpose(1, 2), visible[:, :, 1].transpose(1, 2)
+
+    def _kv_windows(
+        self, pieces: list[Piece], device: torch.device, begin: int, end: int, chunk_rows: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """K/V pieces in windows of ``chunk_rows`` positions counted from ``begin``,
+        whatever the pieces' own boundaries: streamed attention then sums in the same
+        order however the rows were spilled, saved or resumed."""
+        stats = self.owner.stats
+        t0 = time.perf_counter()
+        windows = self.store.load_windows(pieces, begin, end, chunk_rows, self.owner.window_buffer)
+        for _, rows in windows:
+            stats.read_seconds += time.perf_counter() - t0
+            k, v = unpack_kv(rows.to(device), self.kv_heads, self.head_dim)
+            yield k, v
+            t0 = time.perf_counter()
+        stats.disk_read_bytes += self.store.read_bytes(pieces)
+
+    def _in_parts(
+        self, piece: Piece, device: torch.device, begin: int, end: int, chunk_rows: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        cuts = list(range(chunk_rows, piece.rows, chunk_rows))
+        for r0, rows in self.store.load_in_parts(piece, device, cuts):
+            a = piece.start + r0
+            b = a + rows.shape[1]
+            if b <= begin or a >= end:
+                continue
+            part = Piece(a, piece.form, rows, calls=[b - a])
+            out.extend(self._to_kv([part], [rows], begin, end))
+        return out
+
+    def _to_kv(
+        self, pieces: list[Piece], rows: list[torch.Tensor], begin: int, end: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K/V of ``pieces`` (whose rows are ``rows``), clipped to [begin, end).
+
+        Consecutive one-row residual pieces (decoded tokens) are grouped: their norm,
+        k-norm and RoPE run once over the group (row-independent), while the projection
+        still runs one row per call, as it originally did.
+        """
+        adapter = self.owner.adapter
+        idx = self.layer_idx
+        out = []
+        i = 0
+        while i < len(pieces):
+            first, stop = pieces[i].start, pieces[i].end
+            if pieces[i].form == "kv":
+                k, v = unpack_kv(rows[i], self.kv_heads, self.head_dim)
+                i += 1
+            else:
+                j = i
+                if pieces[i].rows == 1:
+                    while (
+                        j + 1 < len(pieces)
+                        and pieces[j + 1].form == "residual"
+                        and pieces[j + 1].rows == 1
+                        and pieces[j + 1].start == pieces[j].end
+                    ):
+                        j += 1
+                group = pieces[i : j + 1]
+                stop = group[-1].end
+                if len(group) == 1:
+                    hidden = rows[i]
+                    # the thread count of the original call (it can change the bits)
+                    with rows_threads(hidden.shape[1]):
+                        key, value = adapter.project(idx, adapter.normalize(idx, hidden))
+                else:
+                    hidden = torch.cat(rows[i : j + 1], dim=1)
+                    normed = adapter.normalize(idx, hidden)
+                    with rows_threads(1):
+                        parts = [
+                            adapter.project(idx, normed[:, r : r + 1]) for r in range(len(group))
+                        ]
+                    key = torch.cat([k for k, _ in parts], dim=1)
+                    value = torch.cat([v for _, v in parts], dim=1)
+                positions = torch.arange(first, stop, device=hidden.device).unsqueeze(0)
+                k, v = adapter.finish(idx, key, value, hidden, positions)
+                i = j + 1
+            lo, hi = max(begin, first) - first, min(end, stop) - first
+            out.append((k[..., lo:hi, :], v[..., lo:hi, :]))
+        return out
+
+    # -- accounting ----------------------------------------------------------------------
+    def hot_bytes(self) -> int:
+        """Bytes the hot window holds, its reserve included."""
+        grown = self._live_growth()
+        if grown is not None:
+            return nbytes(grown[0]) + nbytes(grown[1])
+        return nbytes(self.keys) + nbytes(self.values)
+
+    def checkpoint_bytes(self) -> int:
+        """Checkpoint bytes resident in memory (rows on disk are not counted here)."""
+        return self.store.resident_bytes
+
+    def disk_checkpoint_bytes(self) -> int:
+        return self.store.disk_bytes
+
+    # -- the disk tier -------------------------------------------------------------------
+    def keep_under_budget(self) -> None:
+        """Move the oldest resident checkpoints to disk while over this layer's budget."""
+        budget = self.owner.layer_checkpoint_budget(self)
+        if budget is None:
+            return
+        excess = self.store.resident_bytes - budget
+        if excess <= 0:
+            return
+        try:
+            self.owner.stats.spilled_bytes += self.store.move_out(excess, self.owner.spill_area())
+        except StorageError as exc:
+            # Never fail inside a forward call: stay over budget, refuse the next call.
+            self.owner.spill_error = exc
+
+    def load_resident(self) -> None:
+        """Bring every checkpoint on disk back into memory (the ceiling allows it now)."""
+        self.store.load_resident(getattr(self, "device", None) or "cpu")
+
+    def set_hot(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The hot window's K/V, as rebuilt on resume (the last ``keys.shape[-2]`` tokens)."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = _compact(keys), _compact(values)
+
+
+class KVDirectCache(Cache):
+    """A transformers ``Cache`` of ``KVDirectLayer``s sharing one hot-window policy."""
+
+    def __init__(
+        self,
+        adapter: ArchAdapter,
+        forms: list[str],
+        hot_window: int | None = None,
+    ) -> None:
+        if len(forms) != adapter.num_layers:
+            raise ValueError("one checkpoint form per layer is needed")
+        self.adapter = adapter
+        self.hot_window = hot_window  # residual-form layers
+        self.kv_window: int | None = None  # K/V-form layers (set under the disk tier)
+        # Rows each growing hot window may hold ahead (see HOT_RESERVE_ROWS). 0 keeps it
+        # compact, as under a ceiling, whose planner counts rows as they are.
+        self.hot_reserve = 0
+        self.stats = CacheStats()
+        # Disk tier (set by the planner under a ceiling): resident checkpoint bytes allowed
+        # across residual layers, and the chunk size of streamed attention (None: hand
+        # attention the whole K/V, the bit-identical path).
+        self.checkpoint_budget: int | None = None
+        self.stream_chunk: int | None = None
+        self.decode_stream_chunk: int | None = None  # the same for one-token steps
+        self.spill_root: Path | None = None
+        self.spill: SpillArea | None = None
+        self._row_files: dict[str, RowFile] = {}
+        self._budget_need_total = 0
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.spill_error: StorageError | None = None  # a failed move to disk, reported next call
+        self._prefetched: tuple[int, list[int], int, torch.Tensor, Future] | None = None
+        layers = [
+            KVDirectLayer(self, spec.index, form, spec.sliding_window)
+            for spec, form in zip(adapter.layers, forms)
+        ]
+        super().__init__(layers=layers)
+        self._hooks: list[Any] = []
+
+    # The pre-hook hands each decoder layer's input (h_l) to the matching cache layer.
+    def attach(self) -> KVDirectCache:
+        if self._hooks:
+            return self
+        for idx, module in enumerate(self.adapter.decoder_layers):
+            layer = self.layers[idx]
+            if layer.form != "residual":
+                continue
+            self._hooks.append(
+                module.register_forward_pre_hook(_capture_into(layer), with_kwargs=True)
+            )
+        route(self.adapter.model, self.adapter)
+        return self
+
+    def note_layer_input(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """What the attach() pre-hook records, for callers that run a decoder layer's work
+        without calling the module (``kvchat.engine.models.decode_step``)."""
+        if self._hooks:
+            layer = self.layers[layer_idx]
+            if layer.form == "residual":
+                layer.pending_residual = hidden
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def enable_streaming(self, chunk: int | None) -> None:
+        """Stream cold K/V into attention ``chunk`` rows at a time (None: off)."""
+        self.stream_chunk = chunk
+        if chunk is not None:
+            route(self.adapter.model, self.adapter)
+
+    # -- reusable scratch ----------------------------------------------------------------
+    def _buffer(
+        self, name: str, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        held = self._buffers.get(name)
+        if held is None or held.numel() < numel or held.dtype != dtype or held.device != device:
+            held = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return held[:numel]
+
+    def read_buffer(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 CPU buffer for rows read back from disk (reused every call)."""
+        return self._buffer("read", nbytes, torch.uint8, torch.device("cpu"))
+
+    def rows_buffer(self, numel: int, dtype: torch.dtype, parity: int = 0) -> torch.Tensor:
+        """A flat CPU buffer of token-major K/V rows handed to attention (reused): two of
+        them, so that one layer's rows are read while the layer before attends."""
+        return self._buffer(f"rows{parity}", numel, dtype, torch.device("cpu"))
+
+    def rows_buffers_bytes(self) -> int:
+        return sum(nbytes(self._buffers[n]) for n in ("rows0", "rows1") if n in self._buffers)
+
+    # -- reading the next layer's cold rows ahead ----------------------------------------
+    def prefetch(self, layer_idx: int, dtype: torch.dtype, key_states_rows: int) -> None:
+        """Start reading layer ``layer_idx``'s cold K/V rows into its buffer, as its
+        ``update`` would read them in place (disk tier, whole K/V, CPU), in the background."""
+        self._settle_prefetch()
+        if layer_idx >= len(self.layers) or self.stream_chunk is not None:
+            return
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized or getattr(layer, "device", None) is None:
+            return
+        if layer.device.type != "cpu":
+            return
+        visible_from, hot_from = layer.attended_range()
+        if visible_from >= hot_from:
+            return
+        pieces = layer.store.pieces_in(visible_from, hot_from)
+        if not pieces or not all(p.form == "kv" and p.dtype == dtype for p in pieces):
+            return
+        if all(p.resident is not None for p in pieces):
+            return  # nothing on disk: the copy is quick where it is
+        lead = visible_from - pieces[0].start
+        stored = pieces[-1].end - pieces[0].start
+        rows = max(stored, lead + hot_from - visible_from) + layer.hot_length + key_states_rows
+        width = 2 * layer.kv_heads * layer.head_dim
+        flat = self.rows_buffer(rows * width, dtype, layer_idx % 2)
+        cold = flat[: stored * width].view(torch.uint8)
+        future = _prefetcher().submit(layer.store.read_into, pieces, cold)
+        self._prefetched = (layer_idx, [id(p) for p in pieces], rows * width, flat, future)
+
+    def take_prefetched(self, layer_idx: int, pieces: list[Any], numel: int) -> Any:
+        """The buffer :meth:`prefetch` filled for these pieces of ``layer_idx`` (errors of
+        the read raise here), or None."""
+        held = self._prefetched
+        if held is None:
+            return None
+        self._prefetched = None
+        idx, ids, size, flat, future = held
+        future.result()  # wait; a read error or a failed check raises here, in the call
+        if idx != layer_idx or ids != [id(p) for p in pieces] or size < numel:
+            return None
+        return flat
+
+    def _settle_prefetch(self) -> None:
+        """Wait for a prefetch nobody took (its buffer is about to be reused)."""
+        held, self._prefetched = self._prefetched, None
+        if held is not None:
+            held[4].exception()
+
+    def window_buffer(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 CPU buffer streamed attention's windows are assembled in."""
+        return self._buffer("window", nbytes, torch.uint8, torch.device("cpu"))
+
+    def kv_buffer(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        """``torch.cat(parts, dim=-2)`` into a buffer reused by every layer and step."""
+        first = parts[0]
+        rows = sum(p.shape[-2] for p in parts)
+        shape = (*first.shape[:-2], rows, first.shape[-1])
+        flat = self._buffer(name, math.prod(shape), first.dtype, first.device)
+        out = flat.view(shape)
+        torch.cat(parts, dim=-2, out=out)
+        return out
+
+    def release_buffers(self, names: tuple[str, ...] | None = None) -> None:
+        """Drop the named scratch buffers (all of them by default)."""
+        for name in list(self._buffers) if names is None else names:
+            self._buffers.pop(name, None)
+
+    # -- disk tier -----------------------------------------------------------------------
+    def layer_checkpoint_budget(self, layer: KVDirectLayer) -> int | None:
+        """``layer``'s share of the resident checkpoint budget, by the tokens it must keep:
+        a sliding layer needs at most a window, a full layer the whole conversation.
+        K/V-form layers keep no resident checkpoints under the disk tier: their resident
+        share is the hot window."""
+        if self.checkpoint_budget is None:
+            return None
+        if layer.form == "kv":
+            return 0
+        total = self._budget_need_total or max(1, sum(map(_need, self.layers)))
+        return self.checkpoint_budget * _need(layer) // total
+
+    def spill_area(self) -> SpillArea:
+        if self.spill is None:
+            if self.spill_root is None:
+                from kvchat.paths import data_dir
+
+                self.spill_root = data_dir()
+            self.spill = SpillArea(self.spill_root)
+        return self.spill
+
+    def row_file(self, path: Path) -> RowFile:
+        """A saved segment opened for reading rows back (one descriptor per file)."""
+        key = str(path)
+        if key not in self._row_files:
+            self._row_files[key] = RowFile(path)
+        return self._row_files[key]
+
+    def apply_plan(self, plan: Plan) -> None:
+        """Take the planner's windows and disk tier, and meet them before the next call."""
+        if self.spill_error is not None:
+            error, self.spill_error = self.spill_error, None
+            raise NeedsDiskTierError(f"{error}; the conversation so far is kept") from error
+        self.hot_window = plan.hot_window
+        self.kv_window = plan.kv_window
+        self.checkpoint_budget = plan.checkpoint_budget
+        self.enable_streaming(plan.stream_chunk)
+        if not plan.disk_tier:
+            self.release_buffers()
+        elif plan.stream_chunk is not None:
+            self.release_buffers(("read", "k", "v", "rows0", "rows1"))  # whole-K/V read-back
+        else:
+            self.release_buffers(("window",))  # streamed attention's
+        self.decode_stream_chunk = plan.decode_stream_chunk or plan.stream_chunk
+        self._budget_need_total = max(1, sum(map(_need, self.layers)))
+        for layer in self.layers:
+            layer.trim_hot()
+            layer.keep_under_budget()
+        self._budget_need_total = 0
+        self.stats.step_scratch_bytes = 0
+
+    def release_reserve(self) -> None:
+        """Give back every hot window's reserve: between replies the cache holds its rows
+        and nothing more (what the standard cache holds, with no ceiling)."""
+        for layer in self.layers:
+            layer.release_reserve()
+
+    def spill_bytes_live(self) -> int:
+        """Bytes of rows that only a spill file holds (nothing saved points at them)."""
+        return sum(layer.store.spill_bytes for layer in self.layers)
+
+    def disk_bytes(self) -> int:
+        """Bytes of spill files (saved segments are counted by the conversation)."""
+        return 0 if self.spill is None else self.spill.nbytes()
+
+    def close(self) -> None:
+        self._settle_prefetch()
+        self.detach()
+        self.release_buffers()
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
+        for file in self._row_files.values():
+            file.close()
+        self._row_files.clear()
+
+    def __enter__(self) -> KVDirectCache:
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    # -- accounting ----------------------------------------------------------------------
+    def hot_bytes(self) -> int:
+        return sum(layer.hot_bytes() for layer in self.layers)
+
+    def checkpoint_bytes(self) -> int:
+        return sum(layer.checkpoint_bytes() for layer in self.layers)
+
+    def hot_tokens(self) -> int:
+        """Tokens whose K/V are held at every full-attention layer."""
+        lengths = [layer.hot_length for layer in self.layers if not layer.is_sliding]
+        if not lengths:
+            lengths = [layer.hot_length for layer in self.layers]
+        return min(lengths) if lengths else 0
+
+
+_PREFETCHER: ThreadPoolExecutor | None = None
+
+
+def _prefetcher() -> ThreadPoolExecutor:
+    """One thread that reads the next layer's rows (not disk_tier's pool, whose split reads
+    a prefetched read waits on)."""
+    global _PREFETCHER
+    if _PREFETCHER is None:
+        _PREFETCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvchat-prefetch")
+    return _PREFETCHER
+
+
+def _need(layer: KVDirectLayer) -> int:
+    if layer.form != "residual":
+        return 0
+    if layer.is_sliding:
+        return min(layer.cumulative_length, layer.sliding_window)
+    return layer.cumulative_length
+
+
+def _capture_into(layer: KVDirectLayer):
+    def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        layer.pending_residual = hidden
+
+    # A decode step that skips the module calls hands the input over itself
+    # (note_layer_input); this marks the hook as one it may skip.
+    hook.kvchat_layer_input = True
+    return hook

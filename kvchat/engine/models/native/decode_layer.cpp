@@ -1,0 +1,83 @@
+// One decoder layer's decode step (one token) for kvchat's quantized CPU models, in two
+// halves around the cache's update: the same ATen ops, in the same order and dtypes, as
+// kvchat/engine/models/decode_step.py spells them in Python (so the same bits; the Python side
+// checks that on this machine before it uses this library). What it saves is Python: at one
+// row per call a layer is ~50 short ops, and calling them from here costs the dispatcher
+// only, not the interpreter and torch's Python bindings.
+//
+// A projection is (weight, scales, group): group > 0 is torch's int4 CPU kernel with that
+// group size, group == 0 its int8 kernel. Activations are float32, cast to bfloat16 around
+// the kernels as kvchat/engine/models/qlinear.py does.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+namespace {
+
+using at::Tensor;
+
+Tensor rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
+  // LlamaRMSNorm.forward on float32 input.
+  auto variance = hidden.pow(2).mean(-1, /*keepdim=*/true);
+  return weight * (hidden * at::rsqrt(variance + eps));
+}
+
+Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int64_t group) {
+  auto rows = x.reshape({-1, x.size(-1)}).to(at::kBFloat16);
+  auto out = group > 0 ? at::_weight_int4pack_mm_for_cpu(rows, weight, group, scales)
+                       : at::_weight_int8pack_mm(rows, weight, scales);
+  return out.to(at::kFloat);
+}
+
+// Input norm, the stacked q/k/v projection and the rotary products: the rotated query and
+// key and the value, each [1, heads, 1, head_dim].
+std::tuple<Tensor, Tensor, Tensor> before_attention(
+    const Tensor& hidden, const Tensor& norm_weight, double eps, const Tensor& qkv_weight,
+    const Tensor& qkv_scales, int64_t qkv_group, int64_t q_width, int64_t k_width,
+    int64_t head_dim, const Tensor& cos, const Tensor& sin) {
+  auto x = rms_norm(hidden, norm_weight, eps);
+  auto stacked = project(x, qkv_weight, qkv_scales, qkv_group);
+  auto qk = stacked.slice(1, 0, q_width + k_width).view({1, 1, -1, head_dim}).transpose(1, 2);
+  auto half = head_dim / 2;
+  auto rotated = at::cat({-qk.slice(-1, half), qk.slice(-1, 0, half)}, -1);
+  qk = (qk * cos) + (rotated * sin);
+  auto q_heads = q_width / head_dim;
+  auto value = stacked.slice(1, q_width + k_width).view({1, 1, -1, head_dim}).transpose(1, 2);
+  return {qk.slice(1, 0, q_heads), qk.slice(1, q_heads), value};
+}
+
+// o_proj over the attention output ([1, 1, heads * head_dim]), the residual add, the
+// post-attention norm and the gated SiLU MLP: the layer's output, [1, 1, hidden].
+Tensor after_attention(
+    const Tensor& residual, const Tensor& attended, const Tensor& o_weight,
+    const Tensor& o_scales, int64_t o_group, const Tensor& norm_weight, double eps,
+    const Tensor& gate_up_weight, const Tensor& gate_up_scales, int64_t gate_up_group,
+    int64_t gate_width, const Tensor& down_weight, const Tensor& down_scales,
+    int64_t down_group) {
+  auto o = project(attended, o_weight, o_scales, o_group);
+  auto hidden = residual + o.reshape({1, 1, -1});
+  auto x = rms_norm(hidden, norm_weight, eps);
+  auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group);
+  auto gate = gate_up.slice(1, 0, gate_width).reshape({1, 1, -1});
+  auto up = gate_up.slice(1, gate_width).reshape({1, 1, -1});
+  auto down = project(at::silu(gate) * up, down_weight, down_scales, down_group);
+  return hidden + down.reshape({1, 1, -1});
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvchat_native, m) {
+  m.def(
+      "before_attention(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_weight, "
+      "Tensor qkv_scales, int qkv_group, int q_width, int k_width, int head_dim, Tensor cos, "
+      "Tensor sin) -> (Tensor, Tensor, Tensor)",
+      before_attention);
+  m.def(
+      "after_attention(Tensor residual, Tensor attended, "
+      "Tensor o_weight, Tensor o_scales, int o_group, Tensor norm_weight, float eps, "
+      "Tensor gate_up_weight, Tensor gate_up_scales, int gate_up_group, int gate_width, "
+      "Tensor down_weight, Tensor down_scales, int down_group) -> Tensor",
+      after_attention);
+}

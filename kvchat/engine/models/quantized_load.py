@@ -1,0 +1,300 @@
+"""Load a model with int8 / int4 weights, one tensor at a time, never a float copy of it all.
+
+Two passes, both holding at most one float tensor at a time:
+
+1. once per (model files, mode): the float weights are read tensor by tensor (no memory
+   map, see ``weights_file``), each Linear weight quantized (``qlinear``), and the small form
+   streamed to ``<cache>/weights/<model>-<hash>/<mode>.safetensors``; later loads skip this;
+2. an empty model skeleton (``meta_init.parameters_on_meta``: parameters on the meta
+   device, buffers real) gets the small form's tensors, quantized Linears replaced by
+   ``Int8Linear`` / ``Int4Linear``, the embedding by ``Int8Embedding``.
+
+What is quantized: every ``nn.Linear`` inside the decoder, to the mode (int4 falls back to
+int8 for a shape its kernel cannot take, and, for a model from a GGUF, for a tensor the file
+kept at more than 4 bits; see ``quantize_linear``); the vocabulary matrix to int8 per row, shared by
+the embedding and a tied ``lm_head`` (one copy, as in the float model; per-row scales suit
+both, since a row is a token in either use). Norms and biases stay float in ``--dtype``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvchat.engine.models import qlinear
+from kvchat.engine.models.fused import fuse_siblings
+from kvchat.engine.models.heap import return_freed_memory
+from kvchat.engine.models.meta_init import parameters_on_meta
+from kvchat.engine.models.weights_file import (
+    LazyTensor,
+    TensorWriter,
+    lazy_tensors,
+    read_header,
+    read_tensors,
+)
+
+# 2: a model from a GGUF keeps its 4-bit grids, and its wider tensors go to int8 (below).
+FORMAT = "kvchat-weights-2"
+_PARTS = ("qweight", "scales", "zeros")
+
+__all__ = ["FORMAT", "load_quantized", "small_form_path"]
+
+
+def small_form_path(model_dir: Path, mode: str) -> Path:
+    """Where the small form of ``model_dir``'s weights in ``mode`` is kept (in the cache)."""
+    from kvchat.paths import cache_dir
+
+    digest = hashlib.sha256(str(Path(model_dir).resolve()).encode())
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        st = f.stat()
+        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model_dir).name)[:60]
+    return cache_dir() / "weights" / f"{name}-{digest.hexdigest()[:12]}" / f"{mode}.safetensors"
+
+
+def load_quantized(
+    model_dir: Path,
+    config: Any,
+    dtype: torch.dtype,
+    mode: str,
+    *,
+    key_mapping: dict[str, str] | None = None,
+    attn_implementation: str = "sdpa",
+    device: torch.device | None = None,
+) -> nn.Module:
+    """The model of ``model_dir`` with ``mode`` ("int8" | "int4") weights, in eval mode.
+
+    Built straight on ``device`` (default CPU): off CPU the layers keep the portable form.
+    """
+    path = small_form_path(model_dir, mode)
+    if not _is_small_form(path, mode):
+        _write_small_form(model_dir, config, mode, path, key_mapping or {})
+        return_freed_memory()  # the float tensors just read, before the model is built
+    return _load_small_form(path, config, dtype, attn_implementation, device)
+
+
+# -- pass 1: the small form --------------------------------------------------------------
+def _is_small_form(path: Path, mode: str) -> bool:
+    try:
+        _entries, meta, _start = read_header(path)
+    except (OSError, ValueError):
+        return False
+    return meta.get("format") == FORMAT and meta.get("mode") == mode
+
+
+def _skeleton(config: Any, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with parameters_on_meta():
+        try:
+            return AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn_implementation
+            )
+        except (ValueError, ImportError) as exc:
+            if "sdpa" not in str(exc).lower():
+                raise
+            return AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation="eager"
+            )
+
+
+def _roles(config: Any) -> tuple[nn.Module, set[str], str, str]:
+    """The skeleton (float dtype irrelevant), names of quantizable Linears, and the names of
+    the input embedding and output head modules."""
+    model = _skeleton(config, torch.float32, "eager")
+    names = {id(m): n for n, m in model.named_modules()}
+    embed = names[id(model.get_input_embeddings())]
+    head = names[id(model.get_output_embeddings())]
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != head}
+    return model, linears, embed, head
+
+
+def _source_tensors(
+    model_dir: Path, key_mapping: dict[str, str]
+) -> Iterator[tuple[str, LazyTensor]]:
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        for lazy in lazy_tensors(f):
+            name = lazy.name
+            for pattern, repl in key_mapping.items():
+                name = re.sub(pattern, repl, name)
+            yield name, lazy
+
+
+# Rows of the vocabulary table converted at a time: the table is the largest tensor of most
+# checkpoints (1.3 GB in bf16 for Gemma 3 4B), and held whole it set the loading peak.
+VOCAB_BLOCK_ROWS = 4096
+
+
+def _write_vocab(writer: TensorWriter, target: str, table: LazyTensor) -> None:
+    """The vocabulary table as int8 per row, read and written a block of rows at a time
+    (per-row quantization: each block's result is the whole table's, row for row)."""
+    scales: list[torch.Tensor] = []
+
+    def quantized_blocks() -> Iterator[torch.Tensor]:
+        for rows in table.rows(VOCAB_BLOCK_ROWS):
+            parts = qlinear.quantize_int8(rows)
+            scales.append(parts["scales"])
+            yield parts["qweight"]
+
+    writer.add_rows(f"{target}.qweight", torch.int8, table.shape, quantized_blocks())
+    writer.add(f"{target}.scales", torch.cat(scales))
+
+
+def quantize_linear(tensor: torch.Tensor, mode: str, from_gguf: bool) -> dict:
+    """One decoder Linear's small form: int4 (group 32) in int4 mode where the kernel takes
+    the shape, else int8 per row. From a GGUF, int4 takes the file's own 4-bit codes (Q4_0,
+    Q4_1, Q4_K re-expressed), and a tensor the file kept wider (Q5_*, Q6_K, Q8_0, float)
+    goes to int8: requantized to 4 bits, Gemma 3 270M's Q5_0/Q8_0 tensors cost 0.22 nats of
+    NLL and a third of its top-1 agreement (benchmarks/bench_weights.py)."""
+    if mode == "int4" and qlinear.int4_supported(tensor):
+        parts = qlinear.quantize_int4(tensor, recover_grid=from_gguf)
+        if not from_gguf or qlinear.int4_holds(tensor, parts):
+            return parts
+    return qlinear.quantize_int8(tensor)
+
+
+def _write_small_form(
+    model_dir: Path, config: Any, mode: str, path: Path, key_mapping: dict[str, str]
+) -> None:
+    _model, linears, embed, head = _roles(config)
+    del _model
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    writer = TensorWriter(
+        path, {"format": FORMAT, "mode": mode, "group": str(qlinear.GROUP), "tied": str(tied)}
+    )
+    vocab_done = False
+    # A model kvchat converted from a GGUF: its tensors are the file's dequantized values.
+    from_gguf = (Path(model_dir) / "kvchat-source.json").is_file()
+    try:
+        for name, lazy in _source_tensors(model_dir, key_mapping):
+            module, _, attr = name.rpartition(".")
+            if attr == "weight" and module in (embed, head):
+                if tied and vocab_done:
+                    continue  # the tied copy: one table serves both
+                vocab_done = True
+                _write_vocab(writer, "vocab" if tied else module, lazy)
+                return_freed_memory()
+                continue
+            tensor = lazy.read()
+            if attr == "weight" and module in linears:
+                parts = quantize_linear(tensor, mode, from_gguf)
+                for part, value in parts.items():
+                    writer.add(f"{module}.{part}", value)
+            else:
+                writer.add(name, tensor)
+            del tensor
+            return_freed_memory()  # the float tensor and its temporaries (see below)
+    except BaseException:
+        writer.abandon()
+        raise
+    writer.publish()
+
+
+# -- pass 2: the model from the small form -----------------------------------------------
+def _load_small_form(
+    path: Path,
+    config: Any,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    device: torch.device | None,
+) -> nn.Module:
+    entries, _meta, _start = read_header(path)
+    model = _skeleton(config, dtype, attn_implementation)
+    names = {id(m): n for n, m in model.named_modules()}
+    embed = names[id(model.get_input_embeddings())]
+    head = names[id(model.get_output_embeddings())]
+
+    # Each quantized layer is built as soon as its last part is read, so the portable form
+    # (which the CPU layouts replace) is never held for more than one layer.
+    expected: dict[str, int] = {}
+    for name in entries:
+        module, _, attr = name.rpartition(".")
+        if attr in _PARTS:
+            expected[module] = expected.get(module, 0) + 1
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in read_tensors(path):
+        if device is not None and device.type != "cpu":
+            tensor = tensor.to(device)
+        module, _, attr = name.rpartition(".")
+        if attr not in _PARTS:
+            _set_tensor(model, name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+            continue
+        parts = pending.setdefault(module, {})
+        parts[attr] = tensor
+        if len(parts) < expected[module]:
+            continue
+        del pending[module]
+        if module == "vocab":
+            _set_vocab(model, parts, embed, head, dtype)
+        elif module == embed:
+            _set_vocab(model, parts, embed, None, dtype)
+        else:
+            _replace_linear(model, module, parts, head=module == head)
+        del parts
+        # The portable form just read is garbage now; glibc would keep it as free heap and
+        # grow past it (peak RSS measured 1.10-1.26x the final RSS without this, <= 1.05x
+        # with it; a trim costs well under a millisecond here).
+        return_freed_memory()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"{path.name} lacks {len(missing)} weights, e.g. {missing[0]}")
+    if device is not None and device.type != "cpu":
+        model.to(device)  # the skeleton's own buffers (rotary tables)
+    else:
+        fuse_siblings(model)
+        return_freed_memory()  # the separate layers' kernel layouts, now stacked
+    model.eval()
+    return model
+
+
+def _replace_linear(
+    model: nn.Module, name: str, parts: dict[str, torch.Tensor], *, head: bool = False
+) -> nn.Module:
+    old = model.get_submodule(name)
+    bias = getattr(old, "bias", None)
+    bias = None if bias is None or bias.device.type == "meta" else bias.data
+    if "zeros" in parts:
+        new = qlinear.Int4Linear(parts, bias)
+    else:
+        new = qlinear.Int8Linear(parts, bias, qlinear.HEAD_REFINE_TOP if head else 0)
+    _set_module(model, name, new)
+    return new
+
+
+def _set_vocab(
+    model: nn.Module,
+    parts: dict[str, torch.Tensor],
+    embed: str,
+    head: str | None,
+    dtype: torch.dtype,
+) -> None:
+    old = model.get_submodule(embed)
+    scale = getattr(old, "embed_scale", None)
+    scale = scale if isinstance(scale, torch.Tensor) and scale.device.type != "meta" else None
+    _set_module(
+        model,
+        embed,
+        qlinear.Int8Embedding(parts, dtype, scale, getattr(old, "padding_idx", None)),
+    )
+    if head is not None:  # tied: the head's buffers are the very same tensors
+        _replace_linear(model, head, parts, head=True)
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    parent, _, attr = name.rpartition(".")
+    module = model.get_submodule(parent) if parent else model
+    if attr in dict(module.named_parameters(recurse=False)):
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+    else:
+        module.register_buffer(attr, tensor)

@@ -1,0 +1,54 @@
+"""What a session does with input it cannot answer well: a conversation past the model's
+positions is refused before any forward call; a base model gets plain completion."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+
+import pytest
+
+from kvchat.engine.chat.session import ChatSession
+from kvchat.engine.chat.settings import SamplingSettings
+from kvchat.errors import ContextTooLongError
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingSettings(max_new_tokens=8)
+
+
+def test_a_conversation_past_the_context_length_is_refused_before_the_model_runs(
+    smollm2_loaded,
+):
+    session = ChatSession(smollm2_loaded)
+    calls = []
+    hook = smollm2_loaded.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        started = time.monotonic()
+        with pytest.raises(ContextTooLongError) as exc:
+            session.send("the sea " * 9000, GREEDY)
+        assert time.monotonic() - started < 10
+    finally:
+        hook.remove()
+    message = str(exc.value)
+    assert "8,192" in message and "tokens" in message and "\n" not in message
+    assert calls == [] and session.messages == [] and session.cache.get_seq_length() == 0
+    # The session is still usable for a prompt that fits.
+    assert session.send("What is the capital of France?", GREEDY).tokens
+    session.close()
+
+
+def test_a_base_model_continues_the_prompt_as_written(smollm2_loaded):
+    tokenizer = copy.deepcopy(smollm2_loaded.tokenizer)
+    tokenizer.chat_template = None  # as a base model's tokenizer has none
+    base = dataclasses.replace(smollm2_loaded, tokenizer=tokenizer)
+    assert not base.has_chat_template
+    session = ChatSession(base)
+    prompt = "The capital of France is"
+    result = session.send(prompt, GREEDY)
+    assert result.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False).input_ids)
+    assert "Assistant" not in result.reply and "User" not in result.reply
+    second = session.send("The capital of Italy is", GREEDY)
+    assert "Assistant" not in second.reply
+    session.close()

@@ -1,0 +1,154 @@
+"""kvchat's attention kernel gives the same bits however the keys and rows are split.
+
+Property tests (hypothesis): random lengths up to 16K, head counts, GQA ratios, head dims,
+sliding windows and dtypes. For each case, one call over the whole K/V, the same keys
+folded in random windows (what the streamed path does), the K/V as strided token-major
+views (what the in-place read-back path hands over), and each query row computed alone
+(a decode step, or a recompute of one row) are ``torch.equal``. The reference for
+accuracy is torch's SDPA with the same mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvchat.engine.kvdirect import exact_attention
+from kvchat.engine.kvdirect.exact_attention import AttentionState
+
+pytestmark = pytest.mark.skipif(
+    not exact_attention.available(), reason="no C compiler: kvchat's attention kernel is off"
+)
+
+
+def causal_mask(q_len: int, n: int, window: int | None) -> torch.Tensor:
+    rows = torch.arange(q_len).unsqueeze(1) + (n - q_len)
+    cols = torch.arange(n).unsqueeze(0)
+    mask = cols <= rows
+    if window:
+        mask &= cols > rows - window
+    return mask
+
+
+@st.composite
+def cases(draw):
+    kv_heads = draw(st.sampled_from([1, 2, 3, 4]))
+    groups = draw(st.sampled_from([1, 2, 3, 4]))
+    dim = draw(st.sampled_from([16, 40, 64, 80, 128, 256]))
+    long = draw(st.booleans())
+    q_len = draw(st.integers(1, 8 if long else 96))
+    past = draw(st.integers(0, 16_000 if long else 700))
+    window = draw(st.one_of(st.none(), st.integers(1, 1200)))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    cuts = draw(st.lists(st.integers(1, past + q_len), max_size=6))
+    seed = draw(st.integers(0, 2**16))
+    return kv_heads, groups, dim, q_len, past, window, dtype, sorted(set(cuts)), seed
+
+
+def tensors(kv_heads, groups, dim, q_len, past, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = past + q_len
+    query = torch.randn(1, kv_heads * groups, q_len, dim, generator=g).to(dtype)
+    key = torch.randn(1, kv_heads, n, dim, generator=g).to(dtype)
+    value = torch.randn(1, kv_heads, n, dim, generator=g).to(dtype)
+    return query, key, value
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_whole_windowed_streamed_and_row_by_row_are_equal(case):
+    kv_heads, groups, dim, q_len, past, window, dtype, cuts, seed = case
+    query, key, value = tensors(kv_heads, groups, dim, q_len, past, dtype, seed)
+    n = key.shape[-2]
+    scale = dim**-0.5
+    whole = exact_attention.exact_attention(query, key, value, scale, window)
+
+    # Windows: the keys folded in pieces, as the streamed path hands them over.
+    state = AttentionState(query, scale, n - q_len, window)
+    bounds = [0, *[c for c in cuts if c < n], n]
+    for a, b in zip(bounds, bounds[1:]):
+        state.fold(key[:, :, a:b], value[:, :, a:b], a)
+    assert torch.equal(state.finish(), whole)
+
+    # Token-major strided views of one buffer, as the in-place read-back path hands them.
+    rows = torch.empty(1, n, 2, kv_heads, dim, dtype=dtype)
+    rows[:, :, 0] = key.transpose(1, 2)
+    rows[:, :, 1] = value.transpose(1, 2)
+    strided = exact_attention.exact_attention(
+        query, rows[:, :, 0].transpose(1, 2), rows[:, :, 1].transpose(1, 2), scale, window
+    )
+    assert torch.equal(strided, whole)
+
+    # Each row alone (a decode step is one row; a prefill chunk of any size holds it).
+    for i in sorted({0, q_len // 2, q_len - 1}):
+        alone = AttentionState(query[:, :, i : i + 1], scale, n - q_len + i, window)
+        alone.fold(key, value, 0)
+        assert torch.equal(alone.finish()[0, 0], whole[0, i])
+
+    # And it is attention: close to SDPA over the same mask.
+    mask = causal_mask(q_len, n, window)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), key.float(), value.float(), attn_mask=mask, scale=scale, enable_gqa=True
+    ).transpose(1, 2)
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(whole.float(), ref, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 15, 16, 17, 64, 255, 256])
+def test_a_row_alone_equals_the_row_in_a_batch_of_1_to_256(rows):
+    """Batch invariance: rows share a call in lanes, but a lane's arithmetic is its own."""
+    query, key, value = tensors(3, 3, 64, 256, 300, torch.float32, 7)
+    n = key.shape[-2]
+    batch = query[:, :, -rows:]
+    out = exact_attention.exact_attention(batch, key, value, 0.125)
+    last = query[:, :, -1:]
+    alone = exact_attention.exact_attention(last, key, value, 0.125)
+    assert torch.equal(alone[0, 0], out[0, -1])
+    assert n == key.shape[-2]
+
+
+def test_thread_count_changes_no_bit():
+    query, key, value = tensors(2, 4, 64, 128, 2000, torch.float32, 3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = exact_attention.exact_attention(query, key, value, 0.125)
+        torch.set_num_threads(max(2, before))
+        many = exact_attention.exact_attention(query, key, value, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+def test_the_portable_build_gives_the_avx512_builds_bits(tmp_path):
+    """Machines without AVX-512 run the plain C loops: each lane the same operations, so the
+    same bits as the intrinsics this machine runs (checked where both can be built)."""
+    import platform
+
+    from kvchat.engine.kvdirect.exact_attention import (
+        PORTABLE_FLAGS,
+        compile_kernel,
+        compiler,
+        load_kernel,
+    )
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the portable build's flags are x86 ones")
+    target = tmp_path / "portable.so"
+    assert compile_kernel(compiler(), target, PORTABLE_FLAGS)
+    portable = load_kernel(target)
+    for q_len, past, window, dtype in [
+        (1, 900, None, torch.float32),  # a decode step: the few-rows layout
+        (37, 500, None, torch.float32),  # rows in lanes, with a partial tile
+        (200, 300, 64, torch.bfloat16),  # sliding window, bf16 K/V
+    ]:
+        query, key, value = tensors(3, 3, 64, q_len, past, dtype, 11)
+        n = key.shape[-2]
+        native = AttentionState(query, 0.125, n - q_len, window)
+        plain = AttentionState(query, 0.125, n - q_len, window, kernel=portable)
+        for state in (native, plain):
+            state.fold(key[:, :, :100], value[:, :, :100], 0)
+            state.fold(key[:, :, 100:], value[:, :, 100:], 100)
+        assert torch.equal(native.finish(), plain.finish()), (q_len, past, window, dtype)

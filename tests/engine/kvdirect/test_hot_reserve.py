@@ -1,0 +1,86 @@
+"""The growing hot window (no ceiling): rows copied into a reserve, not concatenated.
+
+Against the standard cache on every tiny family: the same logits bit for bit, the same K/V,
+no new storage per decode step while the reserve lasts, and after ``release_reserve`` (what
+a session does after each reply) exactly the bytes the standard cache holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvchat.engine.chat.generate import forward, prefill
+from kvchat.engine.kvdirect.arch import ArchAdapter
+from kvchat.engine.kvdirect.cache import HOT_RESERVE_ROWS, KVDirectCache
+from kvchat.lab.tiny_models import FAMILIES
+from tests.engine.kvdirect.test_cache_exact import run_conversation, tiny_model
+
+
+def growing_cache(model) -> KVDirectCache:
+    adapter = ArchAdapter(model)
+    cache = KVDirectCache(adapter, ["kv"] * adapter.num_layers)
+    cache.hot_reserve = HOT_RESERVE_ROWS
+    return cache.attach()
+
+
+def standard_bytes(cache: DynamicCache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_growing_window_gives_the_standard_cache_bits(family):
+    model = tiny_model(family)
+    standard = DynamicCache(config=model.config)
+    ref_tokens, ref_logits = run_conversation(model, standard)
+    cache = growing_cache(model)
+    tokens, logits = run_conversation(model, cache)
+    assert tokens == ref_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
+    for mine, ref in zip(cache.layers, standard.layers):
+        assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+    if family in ("llama", "qwen2"):  # full attention everywhere: every layer grows
+        assert cache.hot_bytes() > standard_bytes(standard)
+    cache.release_reserve()
+    assert cache.hot_bytes() == standard_bytes(standard)
+    for layer in cache.layers:
+        assert layer.keys.is_contiguous() and layer.values.is_contiguous()
+    cache.close()
+
+
+def test_decode_steps_write_into_the_reserve_without_new_storage():
+    model = tiny_model("llama")
+    cache = growing_cache(model)
+    with torch.inference_mode():
+        logits = prefill(model, cache, list(range(5, 45)), torch.device("cpu"), 16)
+        layer = cache.layers[0]
+        storage = layer.keys.untyped_storage().data_ptr()
+        for _ in range(HOT_RESERVE_ROWS // 2):
+            logits = forward(model, cache, [int(logits.argmax())], torch.device("cpu"))
+            assert layer.keys.untyped_storage().data_ptr() == storage
+        assert layer.hot_length == 40 + HOT_RESERVE_ROWS // 2
+        for _ in range(HOT_RESERVE_ROWS):  # past the reserve: a bigger one, rows kept
+            logits = forward(model, cache, [int(logits.argmax())], torch.device("cpu"))
+        assert layer.hot_length == 40 + HOT_RESERVE_ROWS // 2 + HOT_RESERVE_ROWS
+    cache.close()
+
+
+def test_a_window_set_from_outside_is_taken_as_it_is():
+    """Resume sets the hot rows directly: the next step grows from those, not from a stale
+    reserve."""
+    model = tiny_model("llama")
+    standard = DynamicCache(config=model.config)
+    cache = growing_cache(model)
+    with torch.inference_mode():
+        ids = list(range(7, 37))
+        prefill(model, standard, ids, torch.device("cpu"), 16)
+        prefill(model, cache, ids, torch.device("cpu"), 16)
+        for mine, ref in zip(cache.layers, standard.layers):
+            mine.set_hot(ref.keys.clone(), ref.values.clone())
+        a = forward(model, standard, [3], torch.device("cpu"))
+        b = forward(model, cache, [3], torch.device("cpu"))
+    assert torch.equal(a, b)
+    for mine, ref in zip(cache.layers, standard.layers):
+        assert torch.equal(mine.keys, ref.keys)
+    cache.close()

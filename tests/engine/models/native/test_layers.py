@@ -1,0 +1,122 @@
+"""The decode step's C++ layers (``kvchat.engine.models.native``) give the Python step's bits: the
+same logits and K/V, so bounded still equals unbounded through them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvchat.engine.models.decode_step import decode_step_for, forget_decode_step
+from kvchat.engine.models.native import build
+from kvchat.engine.models.native.layers import NativeLayers, serves
+from tests.engine.kvdirect.test_cache_exact import run_conversation
+from tests.engine.models.test_decode_step import model_in, on_a_residual_cache, same_kv
+
+needs_compiler = pytest.mark.skipif(build.library_path() is None, reason="no C++ compiler")
+
+
+def native_step(model):
+    step = decode_step_for(model)
+    assert step is not None and serves(step)
+    assert step.wait_for_native(300), "the C++ layers were built but not taken into use"
+    return step
+
+
+def counting(step):
+    """Count the C++ layers' calls (so a test knows they ran)."""
+    calls = []
+    layers = step.native
+    run = layers.after_attention
+
+    def counted(*args):
+        calls.append(args[0])
+        return run(*args)
+
+    layers.after_attention = counted
+    return calls
+
+
+@needs_compiler
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_cpp_layers_give_the_python_steps_bits(mode):
+    model = model_in("smollm2", mode, torch.float32)
+    step = native_step(model)
+    calls = counting(step)
+    try:
+        cpp_cache = DynamicCache(config=model.config)
+        cpp = run_conversation(model, cpp_cache)
+        assert len(calls) > len(step.layers)
+        step.use_native = False
+        py_cache = DynamicCache(config=model.config)
+        py = run_conversation(model, py_cache)
+    finally:
+        forget_decode_step(model)
+    assert cpp[0] == py[0]
+    assert all(torch.equal(a, b) for a, b in zip(cpp[1], py[1]))
+    assert same_kv(cpp_cache, py_cache)
+
+
+@needs_compiler
+def test_bounded_through_the_cpp_layers_equals_the_standard_cache():
+    model = model_in("smollm2", "int4", torch.float32)
+    step = native_step(model)
+    calls = counting(step)
+    try:
+        ref = run_conversation(model, DynamicCache(config=model.config))
+        got, recomputed = on_a_residual_cache(model)
+    finally:
+        forget_decode_step(model)
+    assert calls and recomputed > 0
+    assert got[0] == ref[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+
+
+@needs_compiler
+def test_a_library_that_disagrees_is_not_used(monkeypatch):
+    monkeypatch.setattr(NativeLayers, "agrees", lambda self, step: False)
+    model = model_in("smollm2", "int4", torch.float32)
+    try:
+        assert not decode_step_for(model).wait_for_native(300)
+        run_conversation(model, DynamicCache(config=model.config))  # the Python step serves
+    finally:
+        forget_decode_step(model)
+
+
+def test_float_weights_keep_the_python_step():
+    model = model_in("smollm2", "none", torch.float32)
+    step = decode_step_for(model)
+    assert not serves(step)
+    assert not step.wait_for_native(1) and step.native is None
+
+
+def test_without_the_library_the_step_runs_in_python(monkeypatch):
+    monkeypatch.setenv("KVCHAT_NATIVE", "0")
+    model = model_in("smollm2", "int4", torch.float32)
+    try:
+        step = decode_step_for(model)
+        assert not step.wait_for_native(1)
+        tokens = run_conversation(model, DynamicCache(config=model.config))[0]
+    finally:
+        forget_decode_step(model)
+    assert tokens
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_the_real_default_model_decodes_the_same_through_the_cpp_layers(smollm2_dir):
+    from kvchat.engine.models.load import load
+
+    model = load(str(smollm2_dir), device="cpu", dtype="float32", weights="int4").model
+    step = native_step(model)
+    calls = counting(step)
+    kwargs = {"turn_lengths": (60, 9), "new_per_turn": 12}
+    try:
+        cpp = run_conversation(model, DynamicCache(config=model.config), **kwargs)
+        step.use_native = False
+        py = run_conversation(model, DynamicCache(config=model.config), **kwargs)
+    finally:
+        forget_decode_step(model)
+    assert calls
+    assert cpp[0] == py[0]
+    assert all(torch.equal(a, b) for a, b in zip(cpp[1], py[1]))
