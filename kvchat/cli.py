@@ -279,6 +279,25 @@ def export(conversation_id: str, fmt: str, data_dir: str | None) -> None:
 
 
 @cli.command()
+@click.argument("conversation_id")
+@click.option(
+    "--turn",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Keep turns 1..N (default: all of them); 0 keeps none.",
+)
+@click.option("--json", "as_json", is_flag=True, help='Print {"conversation": ID}.')
+@data_dir_option
+def fork(conversation_id: str, turn: int | None, as_json: bool, data_dir: str | None) -> None:
+    """A new conversation holding turns 1..N of a saved one, exactly as it stood after turn
+    N (the original is never changed); prints its id. Continue it with `kvchat run
+    --conversation NEW --prompt ...`: to edit message N+1, fork at N and send the new text."""
+    from kvchat.commands.store_commands import fork_conversation
+
+    fork_conversation(conversation_id, turn, as_json, data_dir)
+
+
+@cli.command()
 @data_dir_option
 @click.option("--json", "as_json", is_flag=True)
 def gc(data_dir: str | None, as_json: bool) -> None:

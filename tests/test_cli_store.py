@@ -83,6 +83,7 @@ def test_store_commands_never_import_torch_or_transformers(data):
         ["export", cid],
         ["export", cid, "--format", "json"],
         ["gc"],
+        ["fork", cid, "--turn", "1"],
         ["delete", cid],
     ):
         out = kvchat(*args, "--data-dir", str(data))
@@ -276,3 +277,53 @@ def test_delete_by_prefix_on_a_terminal_still_needs_yes(data):
     cid = saved(data)
     code, shown = on_terminal(["delete", cid[:10], "--data-dir", str(data)], "y\n")
     assert code == 1 and "--yes" in shown and ids_in(data) == [cid]
+
+
+def test_fork_prints_the_new_id_and_list_shows_where_it_came_from(data):
+    cid = saved(data, 3)
+    out = kvchat("fork", cid, "--turn", "2", "--json", "--data-dir", str(data))
+    assert out.returncode == 0, out.stderr
+    fork = json.loads(out.stdout)["conversation"]
+    plain = kvchat("fork", cid, "--data-dir", str(data))
+    assert plain.returncode == 0, plain.stderr
+    whole = plain.stdout.strip()
+    rows = {
+        r["id"]: r
+        for r in json.loads(kvchat("list", "--json", "--data-dir", str(data)).stdout)[
+            "conversations"
+        ]
+    }
+    assert rows[fork]["forked_from"] == {"id": cid, "turn": 2} and rows[fork]["turns"] == 2
+    assert rows[whole]["forked_from"] == {"id": cid, "turn": 3}
+    assert rows[cid]["forked_from"] is None and rows[cid]["shared_bytes"] > 0
+    table = kvchat("list", "--data-dir", str(data)).stdout
+    line = next(x for x in table.splitlines() if x.startswith(fork))
+    assert f"(fork of {cid} at turn 2)" in line
+    assert "* shares saved turns with a fork" in table
+    assert kvchat("delete", cid, "--data-dir", str(data)).returncode == 0
+    exported = kvchat("export", fork, "--data-dir", str(data))
+    assert exported.returncode == 0 and "question 2" in exported.stdout
+    assert "question 3" not in exported.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--turn", "9"], "between 0 and 2"),
+        (["--turn", "-1"], "-1 is not in the range"),
+    ],
+)
+def test_fork_at_a_turn_that_does_not_exist_is_one_line_and_makes_nothing(data, args, message):
+    cid = saved(data, 2)
+    out = kvchat("fork", cid, *args, "--data-dir", str(data))
+    assert out.returncode != 0
+    lines = errors_of(out)
+    assert message in lines[-1] and "Traceback" not in out.stderr
+    rows = json.loads(kvchat("list", "--json", "--data-dir", str(data)).stdout)["conversations"]
+    assert [r["id"] for r in rows] == [cid]
+
+
+def test_fork_of_an_unknown_id_says_how_to_find_one(data):
+    saved(data, 1)
+    out = kvchat("fork", "nope", "--data-dir", str(data))
+    assert out.returncode == 1 and "kvchat list" in errors_of(out)[-1]

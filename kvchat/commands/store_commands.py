@@ -12,7 +12,7 @@ from kvchat.commands.terminal import fail
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
-    from kvchat.storage import ConversationStore
+    from kvchat.storage import ConversationStore, ConversationSummary
 
 
 def check_conversation(opts: dict[str, Any]) -> None:
@@ -75,8 +75,11 @@ def show_conversations(data_dir: str | None, as_json: bool) -> None:
         model = safe_terminal_text(str(r.model), multiline=False)[:16]
         click.echo(
             f"{r.id:<21} {model:<16} {r.turns:>5} {r.tokens:>7} "
-            f"{human_bytes(r.bytes_on_disk):>10}  {str(r.last_used)[:19]:<20} {title}"
+            f"{disk_column(r):>10}  {str(r.last_used)[:19]:<20} "
+            f"{describe_origin(r)}{title}"
         )
+    if any(r.shared_bytes for r in rows):
+        click.echo("* shares saved turns with a fork (hard links): deleting it frees less")
     if spill_bytes:
         line = f"spill files: {human_bytes(spill_bytes)} in {spill_root(root)}"
         if stale_bytes:
@@ -128,6 +131,34 @@ def delete_conversation(conversation_id: str, yes: bool, data_dir: str | None) -
         click.echo(f"deleted {full} (some files remain in {outcome.leftover}; `kvchat gc` retries)")
     else:
         click.echo(f"deleted {full}")
+
+
+def fork_conversation(
+    conversation_id: str, turn: int | None, as_json: bool, data_dir: str | None
+) -> None:
+    """``kvchat fork``: branch a saved conversation at a turn; prints the new id."""
+    try:
+        new_id = open_store({"data_dir": data_dir}).fork(conversation_id, turn=turn)
+    except KvchatError as exc:
+        fail(exc)
+    if as_json:
+        click.echo(json.dumps({"conversation": new_id}))
+    else:
+        click.echo(new_id)
+
+
+def disk_column(row: ConversationSummary) -> str:
+    """Bytes on disk; ``*`` marks a conversation that shares segments with a fork (its own
+    bytes are fewer: deleting it frees only those)."""
+    from kvchat.units import human_bytes
+
+    return human_bytes(row.bytes_on_disk) + ("*" if row.shared_bytes else "")
+
+
+def describe_origin(row: ConversationSummary) -> str:
+    """What ``kvchat list`` shows of where a fork came from: ``(fork of ID at turn N)``."""
+    origin = row.forked_from
+    return "" if origin is None else f"(fork of {origin.id} at turn {origin.turn}) "
 
 
 def export_conversation(conversation_id: str, fmt: str, data_dir: str | None) -> None:

@@ -66,6 +66,11 @@ JOURNAL_NAME = "journal.jsonl"
 _SEAL = re.compile(rb',"' + CHECKSUM_KEY.encode() + rb'":"sha256:([0-9a-f]{64})"\}\Z')
 
 
+def reseal(record: dict[str, Any], journal_id: str) -> bytes:
+    """A record read from one journal (checksum stripped), sealed for another: a fork's."""
+    return seal({**record, "journal_id": journal_id})
+
+
 def new_journal_id() -> str:
     """16 hex digits (``manifest.JOURNAL_ID_RE``), fresh for each header written."""
     return secrets.token_hex(8)
@@ -285,6 +290,8 @@ def read_journal(
     source: Path,
     conv_id: str,
     highest_segment: int = 0,
+    upto: int | None = None,
+    records: list[dict[str, Any]] | None = None,
 ) -> JournalRead:
     """Apply the records in ``raw`` to ``manifest`` (the header's, changed in place).
 
@@ -292,19 +299,30 @@ def read_journal(
     ``raw`` was read: a save writes its segment before its record, so a segment past the
     records plus the one being saved means records were lost. Raises ManifestError (or
     ManifestEditedError) with one line naming the file.
+
+    With ``upto``, stops once the manifest holds that many turns: the conversation as it
+    stood after turn ``upto`` (what a fork starts from). ``records`` collects each applied
+    record (without its checksum), so a fork can reseal them for its own journal.
     """
     reader = _Reader(manifest, journal_id, source, conv_id)
     lines = raw.split(b"\n")
     tail = lines.pop()  # after the last newline: an interrupted save's record, or b""
     size = 0
     for number, line in enumerate(lines, start=1):
+        if upto is not None and len(manifest.turns) >= upto:
+            return JournalRead(size=size, torn=0)
         if number == len(lines) and not tail and b"\0" in line:
             tail = line + b"\n"  # zeros where a save's data never landed: torn too
             break
         reader.number = number
-        reader.apply(reader.unseal(line))
+        record = reader.unseal(line)
+        reader.apply(record)
+        if records is not None:
+            records.append(record)
         size += len(line) + 1
     turns = len(manifest.turns)
+    if upto is not None and turns < upto:
+        raise ValueError(f"the journal holds {turns} turn(s), not {upto}")
     if highest_segment > turns + 1:
         raise reader.damaged(
             f"it ends at turn {turns} but segments/{segment_file_name(highest_segment)} "

@@ -128,6 +128,15 @@ class Turn:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ForkOrigin:
+    """Where a fork came from: conversation ``id`` as it stood after turn ``turn``. Only a
+    record: the fork holds its own links to those turns' segments and never reads the parent."""
+
+    id: str
+    turn: int
+
+
 @dataclass
 class Manifest:
     """Everything about a conversation except the tensors themselves."""
@@ -143,6 +152,7 @@ class Manifest:
     turns: list[Turn] = field(default_factory=list)
     engine_state: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    forked_from: ForkOrigin | None = None
 
     # -- serialisation -------------------------------------------------------------------
 
@@ -176,6 +186,12 @@ class Manifest:
                 for t in self.turns
             ],
             "engine_state": self.engine_state,
+            # Only when set, so the checksum of every header written before forks stays valid.
+            **(
+                {"forked_from": {"id": self.forked_from.id, "turn": self.forked_from.turn}}
+                if self.forked_from is not None
+                else {}
+            ),
         }
 
     def to_json(self, *, journal_id: str | None = None) -> str:
@@ -281,7 +297,15 @@ class Manifest:
             except ValueError:
                 raise bad(f"{key} is not an ISO-8601 time") from None
 
+        forked_from = None
+        if "forked_from" in data:
+            origin = get(data, "forked_from", dict, "")
+            forked_from = ForkOrigin(
+                id=get(origin, "id", str, "forked_from."),
+                turn=get(origin, "turn", int, "forked_from."),
+            )
         return cls(
+            forked_from=forked_from,
             format_version=data["format_version"],
             id=get(data, "id", str, ""),
             title=get(data, "title", str, ""),

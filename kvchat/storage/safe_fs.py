@@ -159,17 +159,27 @@ def tighten_dir(path: Path) -> None:
 
 def tree_bytes(path: Path) -> int:
     """Bytes of the regular files under ``path``, links not followed."""
+    return tree_usage(path)[0]
+
+
+def tree_usage(path: Path) -> tuple[int, int]:
+    """``(bytes, shared)``: bytes of the regular files under ``path`` (links not followed),
+    and how many of them are in files with other hard links (a fork's shared segments:
+    removing ``path`` does not free those)."""
     try:
         st = os.lstat(path)
     except OSError:
-        return 0
+        return 0, 0
     if not stat.S_ISDIR(st.st_mode):
-        return st.st_size if stat.S_ISREG(st.st_mode) else 0
-    total = 0
+        if not stat.S_ISREG(st.st_mode):
+            return 0, 0
+        return st.st_size, st.st_size if st.st_nlink > 1 else 0
+    total = shared = 0
     try:
         entries = list(os.scandir(path))
     except OSError:
-        return 0
+        return 0, 0
     for entry in entries:
-        total += tree_bytes(Path(entry.path))
-    return total
+        size, common = tree_usage(Path(entry.path))
+        total, shared = total + size, shared + common
+    return total, shared

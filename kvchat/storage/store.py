@@ -59,6 +59,7 @@ from kvchat.storage.atomic import (
     is_temp_name,
     write_text_atomic,
 )
+from kvchat.storage.branch import share_file
 from kvchat.storage.journal import JOURNAL_NAME
 from kvchat.storage.lock import ConversationLock
 from kvchat.storage.manifest import (
@@ -66,6 +67,7 @@ from kvchat.storage.manifest import (
     SEGMENT_NAME_RE,
     AmbiguousConversationError,
     ConversationNotFoundError,
+    ForkOrigin,
     Manifest,
     ManifestError,
     ModelInfo,
@@ -89,6 +91,7 @@ from kvchat.storage.safe_fs import (
     open_regular,
     read_regular,
     tree_bytes,
+    tree_usage,
 )
 from kvchat.storage.text import escape_json_for_terminal, safe_markdown_text, safe_terminal_text
 
@@ -117,6 +120,8 @@ class ConversationSummary:
     bytes_on_disk: int
     last_used: datetime
     error: str | None = None
+    forked_from: ForkOrigin | None = None
+    shared_bytes: int = 0  # of bytes_on_disk, in segments shared with forks (not freed by delete)
 
 
 @dataclass(frozen=True)
@@ -258,10 +263,16 @@ def _highest_segment(path: Path) -> int:
     return max((int(m.group(1)) for m in found if m), default=0)
 
 
-def _load(path: Path, conv_id: str) -> tuple[Manifest, _Journal | None]:
+def _load(
+    path: Path,
+    conv_id: str,
+    *,
+    upto: int | None = None,
+    records: list[dict[str, Any]] | None = None,
+) -> tuple[Manifest, _Journal | None]:
     """The conversation's manifest from its header and journal (or its format 1 manifest:
     then no journal). Needs no lock and changes nothing; every failure is a one-line
-    StorageError."""
+    StorageError. ``upto`` and ``records``: see ``journal.read_journal`` (format 2 only)."""
     file = path / MANIFEST_NAME
     raw = _read_file(file, conv_id, "manifest")
     try:
@@ -284,7 +295,9 @@ def _load(path: Path, conv_id: str) -> tuple[Manifest, _Journal | None]:
         journal_id=journal_id,
         source=jfile,
         conv_id=conv_id,
-        highest_segment=highest,
+        highest_segment=0 if upto is not None else highest,
+        upto=upto,
+        records=records,
     )
     return manifest, _Journal(jfile, journal_id, found.size, found.torn)
 
@@ -888,6 +901,128 @@ class ConversationStore:
                 journal_state = dataclasses.replace(journal_state, torn=0)
         return Conversation(path, manifest, lock, journal_state)
 
+    # -- fork ----------------------------------------------------------------------------
+
+    def fork(self, conv_id: str, *, turn: int | None = None) -> str:
+        """A new conversation holding turns 1..``turn`` of ``conv_id`` (default: all of
+        them), exactly as that conversation stood after that turn; returns its id.
+
+        The parent is never changed: its lock is held while the fork is made (so it is
+        refused, with the usual message, while the parent is open elsewhere), its segments
+        are shared by hard links (``branch.share_file``: O(1) disk where the filesystem
+        allows, a copy where not), and its journal records up to ``turn`` are resealed for
+        the fork's own journal. The fork is assembled in a hidden ``.creating-*`` folder
+        and renamed into place complete, like ``create``: a crash leaves the parent as it
+        was and at most a folder the next sweep removes.
+        """
+        cid = self.resolve(conv_id)
+        source = self.conversations_dir / cid
+        _check_conversation_dir(source, cid)
+        lock = ConversationLock(source / LOCK_NAME, cid)
+        lock.acquire()
+        try:
+            _check_conversation_dir(source, cid)
+            whole = _load(source, cid)[0]
+            total = len(whole.turns)
+            upto = total if turn is None else turn
+            if not 0 <= upto <= total:
+                raise StorageError(
+                    f"conversation {cid} has {total} turn(s), so it cannot be forked at turn "
+                    f"{upto}; pass --turn between 0 and {total}"
+                )
+            header_text = _read_file(source / MANIFEST_NAME, cid, "manifest").decode("utf-8")
+            header, journal_id = parse_header(
+                header_text, source=source / MANIFEST_NAME, conv_id=cid
+            )
+            if len(header.turns) > upto:
+                raise StorageError(
+                    f"the first {len(header.turns)} turns of conversation {cid} were saved by "
+                    "an older kvchat, which kept no record of each; fork it at turn "
+                    f"{len(header.turns)} or later"
+                )
+            records: list[dict[str, Any]] = []
+            if journal_id is not None:
+                at_turn = _load(source, cid, upto=upto, records=records)[0]
+            else:
+                at_turn = whole
+            for t in at_turn.turns:
+                segments.check_size(source / SEGMENTS_DIR / t.segment.file, t.segment, cid)
+            return self._write_fork(cid, source, header, records, at_turn)
+        finally:
+            lock.release()
+
+    def _write_fork(
+        self,
+        parent: str,
+        source: Path,
+        header: Manifest,
+        records: list[dict[str, Any]],
+        at_turn: Manifest,
+    ) -> str:
+        self._sweep()
+        for _ in range(50):
+            conv_id = _new_id()
+            final = self.conversations_dir / conv_id
+            if os.path.lexists(final):
+                continue
+            staging = self.conversations_dir / f"{_CREATING}{conv_id}-{os.getpid()}"
+            lock = ConversationLock(staging / LOCK_NAME, conv_id)
+            try:
+                make_private_dir(staging)
+                lock.acquire()
+                make_private_dir(staging / SEGMENTS_DIR)
+                for t in at_turn.turns:
+                    share_file(
+                        source / SEGMENTS_DIR / t.segment.file,
+                        staging / SEGMENTS_DIR / t.segment.file,
+                    )
+                fsync_dir(staging / SEGMENTS_DIR)
+                now = utc_now()
+                fork_header = dataclasses.replace(
+                    header,
+                    id=conv_id,
+                    created=now,
+                    updated=now,
+                    format_version=FORMAT_VERSION,
+                    forked_from=ForkOrigin(parent, len(at_turn.turns)),
+                )
+                journal_id = journal.new_journal_id()
+                lines = b"".join(journal.reseal(r, journal_id) for r in records)
+                atomic.write_atomic(staging / JOURNAL_NAME, lines)
+                # Also fsyncs `staging`: the journal and `lock` are durable before the rename.
+                write_text_atomic(
+                    staging / MANIFEST_NAME, fork_header.to_json(journal_id=journal_id)
+                )
+                try:
+                    os.rename(staging, final)
+                except OSError as e:
+                    if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                        raise
+                    lock.release()
+                    shutil.rmtree(staging, ignore_errors=True)
+                    continue
+                try:
+                    fsync_dir(self.conversations_dir)
+                except OSError:
+                    pass  # renamed: committed; only durability is in doubt
+            except OSError as e:
+                lock.release()
+                shutil.rmtree(staging, ignore_errors=True)
+                raise StorageError(
+                    f"cannot fork conversation {parent} in {self.conversations_dir} "
+                    f"({one_line(e.strerror or e)}); free disk space or check permissions "
+                    "(the conversation itself is unchanged)"
+                ) from e
+            except BaseException:
+                lock.release()
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            lock.release()
+            return conv_id
+        raise StorageError(  # pragma: no cover - 50 collisions means something else is wrong
+            f"cannot find a free conversation id in {self.conversations_dir}; try again"
+        )
+
     # -- list / delete / export ----------------------------------------------------------
 
     def list(self) -> list[ConversationSummary]:
@@ -912,7 +1047,7 @@ class ConversationStore:
 
     def _summarize(self, path: Path, cid: str) -> ConversationSummary:
         linked = is_symlink(path)
-        size = 0 if linked else tree_bytes(path)
+        size, shared = (0, 0) if linked else tree_usage(path)
         try:
             _check_conversation_dir(path, cid)
             manifest = _load(path, cid)[0]
@@ -938,9 +1073,8 @@ class ConversationStore:
             except StorageError as e:
                 error = str(e)
                 break
-        last_used = datetime.fromisoformat(manifest.updated)
-        if last_used.tzinfo is None:
-            last_used = last_used.replace(tzinfo=timezone.utc)
+        # A fork's last record is its parent's; it was last used when it was made.
+        last_used = max(_utc(manifest.updated), _utc(manifest.created))
         return ConversationSummary(
             id=cid,
             title=manifest.title,
@@ -950,6 +1084,8 @@ class ConversationStore:
             bytes_on_disk=size,
             last_used=last_used,
             error=error,
+            forked_from=manifest.forked_from,
+            shared_bytes=shared,
         )
 
     def delete(self, conv_id: str) -> DeleteOutcome:
@@ -1074,6 +1210,11 @@ class ConversationStore:
     def sweep_leftovers(self) -> int:
         """Public form of the sweep ``create`` does (for ``kvchat gc``): bytes freed."""
         return self._sweep()
+
+
+def _utc(stamp: str) -> datetime:
+    moment = datetime.fromisoformat(stamp)
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
 def _planted_lock(path: Path) -> bool:
