@@ -159,6 +159,15 @@ def _run_app(opts: dict[str, Any]) -> None:
     help="Resume this saved conversation (id or prefix).",
 )
 @click.option("--no-save", is_flag=True, help="Do not save the conversation.")
+@click.option(
+    "--regenerate",
+    is_flag=True,
+    help="Answer --conversation's last prompt again from the turn before it, as a fork "
+    "(samples at temperature 0.7 unless --temperature is given).",
+)
+@click.option(
+    "--in-place", is_flag=True, help="With --regenerate: replace the last reply, no fork."
+)
 @data_dir_option
 def run(**opts: Any) -> None:
     """Headless: answer each --prompt in turn, streaming, then print a memory line.
@@ -168,11 +177,18 @@ def run(**opts: Any) -> None:
     """
     from kvchat.commands.run import run_prompts
 
-    run_prompts(opts, _read_prompts(opts))
+    if opts["in_place"] and not opts["regenerate"]:
+        raise click.UsageError("--in-place only goes with --regenerate")
+    if opts["regenerate"] and not opts["conversation_id"]:
+        raise click.UsageError("--regenerate needs --conversation ID: the reply to answer again")
+    if opts["regenerate"] and opts["no_save"]:
+        raise click.UsageError("--regenerate saves the new reply; drop --no-save")
+    run_prompts(opts, _read_prompts(opts, optional=opts["regenerate"]))
 
 
-def _read_prompts(opts: dict[str, Any]) -> list[str]:
-    """The turns to answer, refused (usage error) if empty or not UTF-8 text."""
+def _read_prompts(opts: dict[str, Any], optional: bool = False) -> list[str]:
+    """The turns to answer, refused (usage error) if empty (unless ``optional``: --regenerate
+    brings its own) or not UTF-8 text."""
     prompts = list(opts["prompts"])
     for prompt in prompts:
         if not prompt.strip():
@@ -195,7 +211,7 @@ def _read_prompts(opts: dict[str, Any]) -> list[str]:
         if not text.strip():
             raise click.BadParameter(f"{name} is empty", param_hint="'--prompt-file'")
         prompts.append(text)
-    if not prompts:
+    if not prompts and not optional:
         raise click.UsageError("nothing to answer; pass --prompt TEXT or --prompt-file FILE")
     return prompts
 

@@ -155,3 +155,68 @@ def test_saved_conversation_resumes_list_export_delete(smollm2_dir, tmp_path):
     assert conv_id not in kvchat("list", *data).stdout
     gone = kvchat("run", *model, *data, "--conversation", conv_id, "--prompt", "Hi")
     assert gone.returncode == 1 and len(gone.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_regenerate_answers_the_last_prompt_again_as_a_fork_or_in_place(smollm2_dir, tmp_path):
+    data = ["--data-dir", str(tmp_path)]
+    model = ["--model", str(smollm2_dir), "--max-new-tokens", "16", "--json"]
+    sampled = ["--temperature", "0.7", "--seed", "5"]
+    asked = ["--prompt", "What is the capital of France?", "--prompt", "And of Spain?"]
+    first = kvchat("run", *model, *data, *asked)
+    assert first.returncode == 0, first.stderr
+    original = [json.loads(line) for line in first.stdout.splitlines()]
+    conv_id = original[0]["conversation"]
+    # A fresh process fed the same history: turn 1 greedy, turn 2 sampled with the seed.
+    one = kvchat("run", *model, *data, "--prompt", "What is the capital of France?")
+    other = json.loads(one.stdout)["conversation"]
+    expected = kvchat("run", *model, *data, *sampled, "--conversation", other, *asked[2:])
+    expected_tokens = json.loads(expected.stdout)["tokens"]
+
+    again = kvchat("run", *model, *data, *sampled, "--conversation", conv_id, "--regenerate")
+    assert again.returncode == 0, again.stderr
+    turn = json.loads(again.stdout)
+    assert turn["prompt"] == "And of Spain?" and turn["tokens"] == expected_tokens
+    fork = turn["conversation"]
+    assert fork != conv_id
+    listed = {
+        r["id"]: r for r in json.loads(kvchat("list", "--json", *data).stdout)["conversations"]
+    }
+    assert listed[fork]["forked_from"] == {"id": conv_id, "turn": 1}
+    kept = json.loads(kvchat("export", conv_id, "--format", "json", *data).stdout)
+    assert kept["messages"][3]["content"] == original[1]["reply"]  # the original keeps its reply
+
+    in_place = kvchat(
+        "run", *model, *data, *sampled, "--conversation", conv_id, "--regenerate", "--in-place"
+    )
+    assert in_place.returncode == 0, in_place.stderr
+    assert json.loads(in_place.stdout)["conversation"] == conv_id
+    assert json.loads(in_place.stdout)["tokens"] == expected_tokens
+    replaced = json.loads(kvchat("export", conv_id, "--format", "json", *data).stdout)
+    assert len(replaced["messages"]) == 4
+    assert replaced["messages"][3]["content"] == turn["reply"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--in-place", "--prompt", "x"], "--in-place only goes with --regenerate"),
+        (["--regenerate"], "--regenerate needs --conversation"),
+        (["--regenerate", "--conversation", "x", "--no-save"], "drop --no-save"),
+    ],
+)
+def test_regenerate_usage_errors_are_one_line_before_any_load(args, message, tmp_path):
+    out = kvchat("run", "--data-dir", str(tmp_path), *args, timeout=60)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_regenerating_a_conversation_with_no_reply_says_so(tmp_path):
+    from kvchat.storage import ConversationStore
+
+    conv = ConversationStore(tmp_path).create(
+        model_name="smollm2-135m", fingerprint="sha256:" + "ab" * 32, dtype="float32", settings={}
+    )
+    conv.close()
+    out = kvchat("run", "--data-dir", str(tmp_path), "--conversation", conv.id, "--regenerate")
+    assert out.returncode == 1 and "no reply to regenerate yet" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

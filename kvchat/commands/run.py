@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvchat.commands.store_commands import check_conversation
+from kvchat.commands.store_commands import check_conversation, open_store
 from kvchat.commands.terminal import (
     EXIT_INTERRUPTED,
     EXIT_NOT_SAVED,
@@ -42,6 +42,15 @@ def run_prompts(opts: dict[str, Any], prompts: list[str]) -> None:
         max_new_tokens=opts["max_new_tokens"],
     )
     check_conversation(opts)  # fail fast, before loading any weights
+    if opts.get("regenerate"):
+        prompts = [regenerated_prompt(opts), *prompts]
+        if sampling.temperature is None:
+            sampling.temperature = REGENERATE_TEMPERATURE
+            if not opts["as_json"]:
+                note(
+                    f"sampling at temperature {REGENERATE_TEMPERATURE} (--temperature 0 "
+                    "gives the greedy reply again)"
+                )
     with exit_on_termination():
         session = open_run_session(opts)
         try:
@@ -52,6 +61,37 @@ def run_prompts(opts: dict[str, Any], prompts: list[str]) -> None:
             session.close()
     if code:
         sys.exit(code)
+
+
+REGENERATE_TEMPERATURE = 0.7
+"""What ``--regenerate`` samples at without ``--temperature``: greedy would repeat the reply."""
+
+
+def regenerated_prompt(opts: dict[str, Any]) -> str:
+    """The prompt of the conversation's last turn, read before any weights load: the one
+    user message that turn added (a turn saved together with an earlier one, after a failed
+    save, holds two: refused, with what to do instead)."""
+    from kvchat.engine.chat.conversation import regenerable_prompt
+
+    try:
+        return regenerable_prompt(open_store(opts), opts["conversation_id"])
+    except KvchatError as exc:
+        fail(exc)
+
+
+def branch_for_regenerate(opts: dict[str, Any], say: Any) -> str:
+    """Where the regenerated reply goes: a fork at the turn before the last (the original
+    keeps its reply), or, with --in-place, the conversation itself, its last turn dropped."""
+    store = open_store(opts)
+    cid = opts["conversation_id"]
+    turns = store.summary(cid).turns
+    if opts["in_place"]:
+        store.drop_last_turn(cid)
+        say(f"regenerating turn {turns} of conversation {cid} in place")
+        return cid
+    fork = store.fork(cid, turn=turns - 1)
+    say(f"regenerating turn {turns} as conversation {fork}, a fork ({cid} keeps its reply)")
+    return fork
 
 
 def load_from_options(opts: dict[str, Any], quiet: bool = False) -> LoadedModel:
@@ -105,6 +145,9 @@ def _load_and_open(opts: dict[str, Any]) -> ChatSession:
     loaded = load_from_options(opts, quiet=as_json)
     from kvchat.engine.chat.conversation import open_session
 
+    say = (lambda _m: None) if as_json else note
+    if opts.get("regenerate"):
+        opts["conversation_id"] = branch_for_regenerate(opts, say)
     if not loaded.has_chat_template:
         note(
             f"{loaded.name} is a base model (no chat template): plain completion, each "
@@ -117,7 +160,7 @@ def _load_and_open(opts: dict[str, Any]) -> ChatSession:
         system=opts["system"],
         conversation_id=opts["conversation_id"],
         save=not opts["no_save"],
-        say=(lambda _m: None) if as_json else note,
+        say=say,
     )
 
 

@@ -951,6 +951,62 @@ class ConversationStore:
         finally:
             lock.release()
 
+    def turn_messages(self, conv_id: str, turn: int) -> list[dict[str, Any]]:
+        """The messages turn ``turn`` of a conversation added (no lock: as ``export``)."""
+        cid = self.resolve(conv_id)
+        path = self.conversations_dir / cid
+        _check_conversation_dir(path, cid)
+        whole = _load(path, cid)[0]
+        header_turns = self._header_turns(path, cid)
+        if not header_turns < turn <= len(whole.turns):
+            raise StorageError(
+                f"turn {turn} of conversation {cid} has no record of its own messages "
+                f"(it has {len(whole.turns)} turn(s)"
+                + (f", the first {header_turns} saved by an older kvchat" if header_turns else "")
+                + ")"
+            )
+        before = _load(path, cid, upto=turn - 1)[0]
+        after = _load(path, cid, upto=turn)[0]
+        return after.messages[len(before.messages) :]
+
+    def _header_turns(self, path: Path, cid: str) -> int:
+        text = _read_file(path / MANIFEST_NAME, cid, "manifest").decode("utf-8", "replace")
+        header, journal_id = parse_header(text, source=path / MANIFEST_NAME, conv_id=cid)
+        return len(header.turns) if journal_id is not None else 1 << 62
+
+    def drop_last_turn(self, conv_id: str) -> int:
+        """Remove a conversation's last turn in place (``run --regenerate --in-place``);
+        returns the turns left. Its record is cut from the journal first (the commit: the
+        conversation is then exactly as it stood before that turn), then its segment goes;
+        a crash in between leaves that segment as an interrupted save's debris, removed at
+        the next open. Forks keep their own links to it."""
+        cid = self.resolve(conv_id)
+        path = self.conversations_dir / cid
+        _check_conversation_dir(path, cid)
+        lock = ConversationLock(path / LOCK_NAME, cid)
+        lock.acquire()
+        try:
+            _check_conversation_dir(path, cid)
+            whole, state = _load(path, cid)
+            n = len(whole.turns)
+            if n == 0 or state is None or self._header_turns(path, cid) >= n:
+                raise StorageError(
+                    f"conversation {cid} has no turn of its own to drop"
+                    + ("" if n == 0 else " (its turns were saved by an older kvchat)")
+                    + f"; fork it instead: `kvchat fork {cid}`"
+                )
+            kept = _load(path, cid, upto=n - 1)[1]
+            assert kept is not None
+            if not atomic.truncate_durably(state.path, kept.size):
+                raise StorageError(
+                    f"cannot cut the last turn from {state.path} (the disk refused to make it "
+                    f"durable); conversation {cid} may still hold it: run the command again"
+                )
+            _unlink_quietly(path / SEGMENTS_DIR / whole.turns[-1].segment.file)
+            return n - 1
+        finally:
+            lock.release()
+
     def _write_fork(
         self,
         parent: str,

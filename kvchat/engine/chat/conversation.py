@@ -13,10 +13,11 @@ from kvchat.engine.chat.memory_snapshot import MemorySnapshot
 from kvchat.engine.chat.session import ChatSession
 from kvchat.engine.chat.settings import CacheSettings
 from kvchat.engine.models.loaded import LoadedModel
+from kvchat.errors import KvchatError
 from kvchat.threads import counts as thread_counts
 
 if TYPE_CHECKING:
-    from kvchat.storage import Conversation
+    from kvchat.storage import Conversation, ConversationStore
 
 
 def open_session(
@@ -74,6 +75,23 @@ def open_session(
 
         session.save_on_first_turn(create)
     return session
+
+
+def regenerable_prompt(store: ConversationStore, conversation_id: str) -> str:
+    """The prompt to answer again when regenerating a conversation's last reply: the one
+    user message its last turn added. KvchatError (one line, with what to do) otherwise."""
+    cid = store.resolve(conversation_id)
+    turns = store.summary(cid).turns
+    if turns == 0:
+        raise KvchatError(f"conversation {cid} has no reply to regenerate yet; send a prompt")
+    asked = [m["content"] for m in store.turn_messages(cid, turns) if m["role"] == "user"]
+    if len(asked) != 1:
+        raise KvchatError(
+            f"turn {turns} of conversation {cid} holds {len(asked)} prompts (saved together "
+            f"after a failed save); fork it at turn {turns - 1} (`kvchat fork {cid} --turn "
+            f"{turns - 1}`) and send them again"
+        )
+    return asked[0]
 
 
 def resumed_view(session: ChatSession) -> dict[str, Any]:

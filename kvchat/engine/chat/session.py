@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -474,6 +474,13 @@ class ChatSession:
         """
         manifest = conversation.manifest
         state = manifest.engine_state
+        if not manifest.turns:  # a fork at turn 0: only what the conversation was made with
+            known = {f.name for f in fields(CacheSettings)}
+            made_with = manifest.settings
+            state = {
+                "system": made_with.get("system"),
+                "cache": {k: v for k, v in made_with.items() if k in known},
+            }
         saved = CacheSettings(**state.get("cache", {}))
         if cache is not None:
             saved.max_mem, saved.hot_window = cache.max_mem, cache.hot_window
