@@ -137,7 +137,7 @@ def create_app(
             model=model_name,
             content=reply.content,
             finish=protocol.finish_reason(reply.finish_reason, reply.stopped_by_sequence),
-            usage_=protocol.usage(reply.prompt_tokens, len(reply.tokens)),
+            usage_=protocol.usage(reply.prompt_tokens, len(reply.tokens), reply.cached_tokens),
             extension=extension(reply),
         )
         return JSONResponse(body, headers=headers)

@@ -1,14 +1,18 @@
-"""Which saved conversation a request continues.
+"""Which saved conversation a request continues, and from which of its turns.
 
 A client of a stateless API sends the whole conversation every time. The request
 continues a saved conversation when everything before its new user message (the system
 prompt, then each user and assistant message) is exactly that conversation's messages:
 then the conversation's files hold the model state for all of it, and only the new turn
-needs feeding. Anything else (an edited reply, a branch from an earlier turn) matches
-nothing, and the engine would have to start from text.
+needs feeding. When it is exactly the conversation's messages as they stood after an
+earlier turn k (an edited last message, a regenerated reply, a branch), the request
+branches there: the worker forks the conversation at turn k and feeds only what follows.
+Anything else (an edited reply, a history that differs inside a turn) matches nothing,
+and the engine starts from text.
 
-Reads manifests through the store's public, lock-free ``list`` and ``export``; what it
-has read is cached per conversation and revision, so a request costs one directory scan.
+Reads manifests through the store's public, lock-free ``list``, ``export`` and
+``message_counts``; what it has read is cached per conversation and revision, so a request
+costs one directory scan.
 """
 
 from __future__ import annotations
@@ -31,29 +35,58 @@ def message_key(system: str | None, messages: list[dict[str, str]]) -> tuple[Any
 @dataclass(frozen=True)
 class _Entry:
     revision: tuple[Any, ...]
-    key: tuple[Any, Messages]
+    system: str | None
+    messages: Messages
+    counts: tuple[int | None, ...]  # messages held after each turn
+
+
+@dataclass(frozen=True)
+class Match:
+    """A saved conversation whose state after ``turn`` (of ``turns``) is the request's
+    history: continued when ``turn == turns``, forked at ``turn`` otherwise."""
+
+    conversation: str
+    turn: int
+    turns: int
+
+    @property
+    def continues(self) -> bool:
+        return self.turn == self.turns
 
 
 class ConversationMatcher:
-    """Finds the saved conversation of one model whose messages a request extends."""
+    """Finds the saved conversation of one model whose state a request's history is."""
 
     def __init__(self, store: ConversationStore, model_name: str) -> None:
         self.store = store
         self.model_name = model_name
         self._entries: dict[str, _Entry] = {}
 
-    def find(self, system: str | None, history: list[dict[str, str]]) -> str | None:
-        """Id of the most recently used conversation with exactly these messages."""
+    def find(self, system: str | None, history: list[dict[str, str]]) -> Match | None:
+        """The most recently used conversation that holds exactly these messages, after
+        its last turn (preferred: nothing to fork) or after an earlier one."""
         if not history:
             return None  # a first turn: always a new conversation
-        wanted = message_key(system, history)
+        wanted_system, wanted = message_key(system, history)
+        branch = None
         for summary in self.store.list():  # most recently used first
             if summary.error or summary.model != self.model_name or not summary.turns:
                 continue
             entry = self._entry(summary)
-            if entry is not None and entry.key == wanted:
-                return summary.id
-        return None
+            if entry is None or entry.system != wanted_system:
+                continue
+            if len(wanted) not in entry.counts or entry.messages[: len(wanted)] != wanted:
+                continue
+            turn = entry.counts.index(len(wanted)) + 1
+            # The last turn holding that many messages: a turn that added none (a save that
+            # only re-pointed state) is still the same state.
+            while turn < len(entry.counts) and entry.counts[turn] == len(wanted):
+                turn += 1
+            found = Match(summary.id, turn, len(entry.counts))
+            if found.continues:
+                return found
+            branch = branch or found
+        return branch
 
     def _entry(self, summary: ConversationSummary) -> _Entry | None:
         revision = (summary.last_used, summary.turns, summary.tokens)
@@ -62,9 +95,11 @@ class ConversationMatcher:
             return cached
         try:
             doc = json.loads(self.store.export(summary.id, "json"))
+            counts = tuple(self.store.message_counts(summary.id))
         except (KvchatError, ValueError, OSError):
             return None  # deleted or unreadable meanwhile: it cannot be continued anyway
         system = (doc.get("settings") or {}).get("system")
-        entry = _Entry(revision, message_key(system, doc.get("messages") or []))
+        _, messages = message_key(system, doc.get("messages") or [])
+        entry = _Entry(revision, system, messages, counts)
         self._entries[summary.id] = entry
         return entry

@@ -229,11 +229,13 @@ def finish_reason(engine_reason: str, stopped_by_sequence: bool) -> str:
     return "length"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens whose saved state was reused."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -243,7 +245,7 @@ def completion_body(
     model: str,
     content: str,
     finish: str,
-    usage_: dict[str, int],
+    usage_: dict[str, Any],
     extension: dict[str, Any],
 ) -> dict[str, Any]:
     return {
@@ -284,7 +286,7 @@ def chunk_body(
     return body
 
 
-def usage_chunk_body(*, completion_id: str, model: str, usage_: dict[str, int]) -> dict[str, Any]:
+def usage_chunk_body(*, completion_id: str, model: str, usage_: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": completion_id,
         "object": "chat.completion.chunk",

@@ -47,7 +47,9 @@ async def stream_completion(
                     )
                 )
                 if job.request.include_usage:
-                    usage = protocol.usage(payload.prompt_tokens, len(payload.tokens))
+                    usage = protocol.usage(
+                        payload.prompt_tokens, len(payload.tokens), payload.cached_tokens
+                    )
                     yield event(protocol.usage_chunk_body(**ids, usage_=usage))
                 yield DONE
                 return

@@ -20,7 +20,7 @@ from kvchat.engine.chat.session import ChatSession
 from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
 from kvchat.engine.models.loaded import LoadedModel
 from kvchat.errors import CeilingTooSmallError, KvchatError, NeedsDiskTierError, StorageError
-from kvchat.serve.matcher import ConversationMatcher, message_key
+from kvchat.serve.matcher import ConversationMatcher, Match, message_key
 from kvchat.serve.protocol import DEFAULT_MAX_TOKENS, ChatRequest, RequestError
 from kvchat.serve.redact import Redactor
 from kvchat.serve.stops import StopScanner
@@ -51,6 +51,7 @@ class TurnReply:
     tokens: list[int]
     conversation: str | None  # None: answered from text, not saved
     error: str | None = None
+    cached_tokens: int = 0  # of prompt_tokens, those whose saved state was reused, not fed
 
 
 def context_length(loaded: LoadedModel) -> int | None:
@@ -151,6 +152,7 @@ class EngineWorker:
             if shown:
                 job.emit("text", shown)
 
+        cached = session.cached_tokens  # the state this turn starts from, reused as it is
         sampling = SamplingSettings(
             temperature=request.temperature,
             top_p=request.top_p,
@@ -183,6 +185,7 @@ class EngineWorker:
             stopped_by_sequence=scanner.hit,
             prompt_tokens=len(session.token_ids) - len(result.tokens),
             prefilled_tokens=result.prompt_tokens,
+            cached_tokens=cached,
             tokens=list(result.tokens),
             conversation=conversation,
             error=self.redact(result.error) if result.error else None,
@@ -195,7 +198,10 @@ class EngineWorker:
         if active is not None and message_key(active.system, active.messages) == wanted:
             return active
         self._close_active()
-        conversation_id = self.matcher.find(request.system, request.history)
+        found = self.matcher.find(request.system, request.history)
+        conversation_id = None
+        if found is not None:
+            conversation_id = found.conversation if found.continues else self._fork(found)
         session = self._resume(conversation_id) if conversation_id is not None else None
         if session is None:
             session = open_session(
@@ -210,6 +216,18 @@ class EngineWorker:
                 session.seed_history(request.history)
         self._active = session
         return session
+
+    def _fork(self, found: Match) -> str | None:
+        """A fork of ``found.conversation`` at ``found.turn``, for a request that branches
+        there (an edited or regenerated last message); None when it cannot be made (the
+        parent is open elsewhere, the disk is full): the history is then read from text."""
+        try:
+            fork = self.matcher.store.fork(found.conversation, turn=found.turn)
+        except StorageError as exc:
+            self.say(f"reading the history from text: {self.redact(str(exc))}")
+            return None
+        self.say(f"branching conversation {found.conversation} at turn {found.turn}: {fork}")
+        return fork
 
     def _resume(self, conversation_id: str) -> ChatSession | None:
         """The saved conversation, ready for its next turn; None when it was saved with

@@ -969,6 +969,28 @@ class ConversationStore:
         after = _load(path, cid, upto=turn)[0]
         return after.messages[len(before.messages) :]
 
+    def message_counts(self, conv_id: str) -> list[int | None]:
+        """How many messages the conversation held after each of its turns (no lock: as
+        ``export``); None for a turn saved by an older kvchat that kept no count of its own,
+        except the last of those. What a server needs to find the turn a request branches at."""
+        cid = self.resolve(conv_id)
+        path = self.conversations_dir / cid
+        _check_conversation_dir(path, cid)
+        text = _read_file(path / MANIFEST_NAME, cid, "manifest").decode("utf-8", "replace")
+        header, _ = parse_header(text, source=path / MANIFEST_NAME, conv_id=cid)
+        records: list[dict[str, Any]] = []
+        whole = _load(path, cid, records=records)[0]
+        counts: list[int | None] = [None] * len(header.turns)
+        if counts:
+            counts[-1] = len(header.messages)
+        seen = len(header.messages)
+        for record in records:
+            seen += len(record.get("messages") or [])
+            counts.append(seen)
+        if len(counts) != len(whole.turns):  # a format 1 manifest: all its turns inline
+            counts = [None] * (len(whole.turns) - 1) + [len(whole.messages)]
+        return counts
+
     def _header_turns(self, path: Path, cid: str) -> int:
         text = _read_file(path / MANIFEST_NAME, cid, "manifest").decode("utf-8", "replace")
         header, journal_id = parse_header(text, source=path / MANIFEST_NAME, conv_id=cid)

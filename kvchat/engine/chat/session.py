@@ -508,6 +508,11 @@ class ChatSession:
         self._saved_upto = n_cached
         self.conversation = conversation
 
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose state the cache holds: what the next turn reuses instead of feeding."""
+        return self.cache.get_seq_length()
+
     def disk_bytes(self) -> int:
         """Saved segments plus checkpoints spilled since the last save."""
         spilled = getattr(self.cache, "disk_bytes", lambda: 0)()
