@@ -24,12 +24,14 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
 
+from kvchat.engine.chat.settings import SamplingSettings
 from kvchat.errors import KvchatError
 from kvchat.ui import commands
-from kvchat.ui.backend import Backend, MemorySnapshot, ModelView
+from kvchat.ui.backend import Backend, MemorySnapshot, ModelView, ResumedConversation
 from kvchat.ui.engine_thread import EngineThread
 from kvchat.ui.format import count, fmt_bytes
 from kvchat.ui.messages import (
+    Branched,
     ConversationStarted,
     EngineFailed,
     Loaded,
@@ -56,7 +58,8 @@ RSS_INTERVAL = 0.25  # seconds between process RSS readings while the engine wor
 CLOSE_TIMEOUT = 5.0  # seconds to wait at exit for the engine to close the session
 PREFILL_NOTE_MIN_TOKENS = 1024  # shorter prompts are read in about a second
 LOAD_PROGRESS_W = 22  # columns of the load progress bar beside the status line
-FAILURE_TITLES = {"send": "no reply", "resume": "cannot resume"}
+FAILURE_TITLES = {"send": "no reply", "resume": "cannot resume", "branch": "cannot branch"}
+REGENERATE_TEMPERATURE = 0.7  # greedy settings would only give the same reply again
 WELCOME = (
     "Ask anything. The gauge below compares the conversation state kvchat keeps in memory "
     "with the standard cache for the same tokens; f3 shows the comparison turn by turn. "
@@ -76,6 +79,9 @@ class KvchatApp(App[None]):
         Binding("f4", "resume", "Chats"),
         Binding("ctrl+n", "new", "New", show=False),
         Binding("ctrl+l", "clear", "Clear", show=False),
+        Binding("ctrl+r", "regenerate", "Regenerate", show=False),
+        Binding("ctrl+b", "edit", "Edit", show=False),
+        Binding("f5", "copy", "Copy", show=False),
     ]
 
     def __init__(self, backend: Backend, *, memory_interval: float = MEMORY_INTERVAL) -> None:
@@ -97,6 +103,7 @@ class KvchatApp(App[None]):
         self._load_note = ""
         self._prefill_note = ""  # "reading the prompt 40%" while a long prompt is read
         self.unsaved_turns: list[int] = []  # answered but not on disk (the next save retries)
+        self.editing: int | None = None  # which of your messages (1-based) the box edits
         self.handle_signals = False  # run_app sets it: SIGTERM/SIGHUP quit cleanly
 
     # -- layout ----------------------------------------------------------------------------
@@ -257,6 +264,10 @@ class KvchatApp(App[None]):
         if not self._can_talk("send a message"):
             return
         self.prompt.accept(event.text)
+        if self.editing is not None:
+            which, self.editing = self.editing, None
+            self._branch(which, text, self.settings.sampling, "edited")
+            return
         await self.chat_log.add("user", text)
         self._reply = await self.chat_log.add("assistant", label=self._model_label())
         self._reply.set_meta("…")
@@ -285,8 +296,11 @@ class KvchatApp(App[None]):
             return False
         return True
 
-    def _send(self, text: str, settings: ChatSettings) -> None:
+    def _send(
+        self, text: str, settings: ChatSettings, sampling: SamplingSettings | None = None
+    ) -> None:
         post = self.post_message
+        sampling = sampling or settings.sampling
         backend = self.backend
         interval = self.memory_interval
         stop = self._stop
@@ -312,7 +326,7 @@ class KvchatApp(App[None]):
                     backend.set_system(settings.system)
                 turn = backend.send(
                     text,
-                    settings.sampling,
+                    sampling,
                     on_text=on_text,
                     should_stop=stop.is_set,
                     on_progress=lambda done, total: post(PrefillProgress(done, total)),
@@ -399,6 +413,8 @@ class KvchatApp(App[None]):
             return
         title = FAILURE_TITLES.get(message.what, message.what)
         self.notify(message.message, title=title, severity="error", timeout=12)
+        if message.what == "branch":
+            self._set_busy(False)
         if message.what == "send":
             if self._reply is not None:
                 if self._reply.text:
@@ -438,14 +454,129 @@ class KvchatApp(App[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
             # Only on the chat screen: elsewhere esc closes the screen on top.
-            return self.busy and len(self.screen_stack) == 1
+            return (self.busy or self.editing is not None) and len(self.screen_stack) == 1
         return True
 
     def action_stop(self) -> None:
+        if self.editing is not None and not self.busy:
+            self._end_edit()
+            self.prompt.clear()
+            self.notify("edit cancelled", timeout=3)
+            return
         if self.busy:
             self._stop.set()
             if self._reply is not None:
                 self._reply.set_meta("stopping…")
+
+    # -- branching: regenerate, edit, copy -------------------------------------------------
+    def _user_views(self) -> list[MessageView]:
+        return [m for m in self.chat_log.messages() if m.role == "user"]
+
+    def action_regenerate(self) -> None:
+        """Answer your last message again, in a branch from the turn before it (the old
+        reply stays in the original conversation, in F4)."""
+        if not self._can_talk("regenerate"):
+            return
+        users = self._user_views()
+        if not users:
+            self.notify("nothing to regenerate yet; send a message first", severity="warning")
+            return
+        sampling = self.settings.sampling
+        if sampling.greedy:
+            sampling = SamplingSettings(
+                temperature=REGENERATE_TEMPERATURE,
+                top_p=sampling.top_p,
+                seed=sampling.seed,
+                max_new_tokens=sampling.max_new_tokens,
+            )
+            self.notify(
+                f"sampling at temperature {REGENERATE_TEMPERATURE}: greedy settings (f2) would "
+                "give the same reply again",
+                timeout=4,
+            )
+        self._branch(len(users), users[-1].text, sampling, "regenerated")
+
+    def action_edit(self) -> None:
+        """Pick one of your messages to edit: the last one, then each earlier one in turn.
+        Sending the edited text branches from the turn before it; esc cancels."""
+        if not self._can_talk("edit a message"):
+            return
+        users = self._user_views()
+        if not users:
+            self.notify("nothing to edit yet; send a message first", severity="warning")
+            return
+        which = len(users) if self.editing is None or self.editing <= 1 else self.editing - 1
+        self._end_edit()
+        self.editing = which
+        view = users[which - 1]
+        view.add_class("editing")
+        view.scroll_visible()
+        self.prompt.load_text(view.text)
+        self.prompt.focus()
+        self.notify(
+            f"editing your message {which} of {len(users)}: ⏎ sends it as a branch (the "
+            "original stays in f4), ctrl+b picks an earlier one, esc cancels",
+            timeout=6,
+        )
+        self.refresh_bindings()
+
+    def _end_edit(self) -> None:
+        self.editing = None
+        for view in self.chat_log.messages():
+            view.remove_class("editing")
+        self.refresh_bindings()
+
+    def _branch(self, which: int, text: str, sampling: SamplingSettings, how: str) -> None:
+        """Fork before your message ``which``, then send ``text`` in the fork."""
+        self._end_edit()
+        self._stop.clear()
+        self._set_busy(True)
+        post = self.post_message
+
+        def job() -> None:
+            try:
+                resumed = self.backend.branch(which)
+                memory = self.backend.memory()
+            except KvchatError as exc:
+                post(EngineFailed("branch", str(exc)))
+            except Exception as exc:  # never a traceback
+                post(EngineFailed("branch", error_line(exc, limit=300, with_type=False)))
+            else:
+                post(Branched(resumed, text, sampling, how))
+                post(MemoryUpdate(memory))
+
+        self._engine.submit(job)
+
+    async def on_branched(self, message: Branched) -> None:
+        settings = self.settings  # a branch goes on with this conversation's settings
+        await self._show_conversation(message.resumed)
+        self.settings = settings
+        self._applied_system = message.resumed.system
+        origin = message.resumed.forked_from
+        note = f"{message.how}: a branch of {origin}" if origin else message.how
+        await self.chat_log.add("note", f"{note} (the original is kept: f4)")
+        await self.chat_log.add("user", message.text)
+        self._reply = await self.chat_log.add("assistant", label=self._model_label())
+        self._reply.set_meta("…")
+        self._send(message.text, self.settings.copy(), sampling=message.sampling)
+
+    def action_copy(self, what: str = "") -> None:
+        """Copy the last reply (``/copy code``: its last code block) to the clipboard."""
+        replies = [m for m in self.chat_log.messages() if m.role == "assistant" and m.text]
+        if not replies:
+            self.notify("no reply to copy yet", severity="warning")
+            return
+        text = replies[-1].text
+        if what.strip().lower() == "code":
+            blocks = code_blocks(text)
+            if not blocks:
+                self.notify("the last reply has no code block; /copy copies all of it")
+                return
+            text, kind = blocks[-1], "code block"
+        else:
+            kind = "reply"
+        self.copy_to_clipboard(text)
+        self.notify(f"copied the last {kind} ({count(len(text), 'character')})", timeout=3)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
@@ -539,14 +670,24 @@ class KvchatApp(App[None]):
             self.turn_memory = []
             await self.chat_log.add("note", "new conversation")
         else:
-            self.settings = ChatSettings(system=resumed.system)
-            self.turn_memory = list(resumed.memory_history)
-            await self.chat_log.add("note", f"resumed {resumed.title or resumed.id}")
-            for m in resumed.messages:
-                if m["role"] == "user":
-                    await self.chat_log.add("user", m["content"])
-                elif m["role"] == "assistant":
-                    await self.chat_log.add("assistant", m["content"], label=self._model_label())
+            await self._show_conversation(resumed, clear=False)
+            return
+        self._applied_system = self.settings.system
+        self._refresh_panels()
+
+    async def _show_conversation(self, resumed: ResumedConversation, clear: bool = True) -> None:
+        if clear:
+            await self.chat_log.clear()
+        self.live_memory = None
+        self._set_unsaved([])
+        self.settings = ChatSettings(system=resumed.system)
+        self.turn_memory = list(resumed.memory_history)
+        await self.chat_log.add("note", f"resumed {resumed.title or resumed.id}")
+        for m in resumed.messages:
+            if m["role"] == "user":
+                await self.chat_log.add("user", m["content"])
+            elif m["role"] == "assistant":
+                await self.chat_log.add("assistant", m["content"], label=self._model_label())
         self._applied_system = self.settings.system
         self._refresh_panels()
 
@@ -601,6 +742,14 @@ class KvchatApp(App[None]):
         yield SystemCommand("Settings", "System prompt and sampling (f2)", self.action_settings)
         yield SystemCommand("Model", "Show the loaded model", self.action_model)
         yield SystemCommand("Clear screen", "Clear the messages on screen", self.action_clear)
+        yield SystemCommand(
+            "Regenerate", "Answer your last message again, as a branch (ctrl+r)",
+            self.action_regenerate,
+        )  # fmt: skip
+        yield SystemCommand(
+            "Edit a message", "Edit one of your messages, as a branch (ctrl+b)", self.action_edit
+        )
+        yield SystemCommand("Copy the reply", "Copy the last reply (f5)", self.action_copy)
         if self.busy:
             yield SystemCommand(
                 "Stop the reply", "End the reply, keep what was said", self.action_stop
@@ -643,3 +792,17 @@ def run_app(opts: dict[str, Any]) -> int:
         return 130
     app.wait_for_engine()
     return app.return_code or 0
+
+
+def code_blocks(markdown: str) -> list[str]:
+    """The fenced code blocks of a reply, without their fences, in order."""
+    blocks, inside, lines = [], False, []
+    for line in markdown.splitlines():
+        if line.lstrip().startswith("```"):
+            if inside:
+                blocks.append("\n".join(lines))
+                lines = []
+            inside = not inside
+        elif inside:
+            lines.append(line)
+    return blocks

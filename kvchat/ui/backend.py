@@ -60,6 +60,7 @@ class ResumedConversation:
     messages: list[dict[str, str]]
     memory_history: list[MemorySnapshot] = field(default_factory=list)
     system: str | None = None
+    forked_from: str | None = None  # set by ``branch``: the conversation it branched from
 
 
 @dataclass
@@ -125,11 +126,18 @@ class Backend(Protocol):
 
     def list_conversations(self) -> list[dict[str, Any]]:
         """Saved conversations, most recent first: id, title, model, turns, tokens,
-        bytes_on_disk, last_used (ISO text), error (one line, or None)."""
+        bytes_on_disk, last_used (ISO text), error (one line, or None), forked_from ({id,
+        turn} or None) and text (every message, lower-cased, for searching)."""
         ...
 
     def open_conversation(self, conv_id: str) -> ResumedConversation:
         """Resume a saved conversation from its residual files."""
+        ...
+
+    def branch(self, user_message: int) -> ResumedConversation:
+        """Fork the current saved conversation just before its ``user_message``-th user
+        message (1-based) and go on in the fork, which is returned as resumed; the original
+        stays as it was (F4 lists both). Regenerate is a branch before the last message."""
         ...
 
     def close(self) -> None:

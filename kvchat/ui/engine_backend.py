@@ -139,7 +139,8 @@ class EngineBackend:
         from kvchat.storage import ConversationStore
 
         rows = []
-        for s in ConversationStore(data_dir(self.opts.get("data_dir"))).list():
+        store = ConversationStore(data_dir(self.opts.get("data_dir")))
+        for s in store.list():
             rows.append(
                 {
                     "id": s.id,
@@ -150,6 +151,12 @@ class EngineBackend:
                     "bytes_on_disk": s.bytes_on_disk,
                     "last_used": s.last_used.isoformat(timespec="minutes"),
                     "error": s.error,
+                    "forked_from": (
+                        None
+                        if s.forked_from is None
+                        else {"id": s.forked_from.id, "turn": s.forked_from.turn}
+                    ),
+                    "text": "" if s.error else _search_text(store, s.id),
                 }
             )
         return rows
@@ -174,8 +181,47 @@ class EngineBackend:
             view = resumed_view(self._session)
         return ResumedConversation(**view)
 
+    def branch(self, user_message: int) -> ResumedConversation:
+        from kvchat.engine.chat.conversation import resumed_view, turn_before_message
+        from kvchat.paths import data_dir
+        from kvchat.storage import ConversationStore
+
+        session = self._require_session()
+        conversation = session.conversation
+        if conversation is None:
+            raise KvchatError(
+                "this conversation is not saved yet (or kvchat runs with --no-save), so there "
+                "is no turn to branch from"
+            )
+        if len(session.messages) != len(conversation.manifest.messages):
+            raise KvchatError(
+                "the last turn is not saved yet; once a save succeeds you can edit or regenerate"
+            )
+        store = ConversationStore(data_dir(self.opts.get("data_dir")))
+        turn = turn_before_message(store, conversation.id, user_message)
+        parent = conversation.id
+        session.close()  # a fork needs its parent's lock
+        try:
+            fork = store.fork(parent, turn=turn)
+        except BaseException:
+            self._session = self._new_session(None, conversation_id=parent)
+            raise
+        self._session = self._new_session(None, conversation_id=fork)
+        return ResumedConversation(**resumed_view(self._session), forked_from=parent)
+
     def close(self) -> None:
         if self._session is not None:
             self._session.close()
         self._session = None
         self._loaded = None
+
+
+def _search_text(store: Any, conv_id: str) -> str:
+    """Every message of a conversation, lower-cased, for F4's search (read lock-free)."""
+    import json
+
+    try:
+        messages = json.loads(store.export(conv_id, "json"))["messages"]
+    except (KvchatError, ValueError, KeyError, OSError):
+        return ""
+    return "\n".join(m.get("content", "") for m in messages).lower()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from textual.message import Message
 
+from kvchat.engine.chat.settings import SamplingSettings
 from kvchat.ui.backend import MemorySnapshot, ModelView, ResumedConversation, TurnView
 
 
@@ -61,3 +62,16 @@ class ConversationStarted(Message):
     def __init__(self, resumed: ResumedConversation | None = None) -> None:
         super().__init__()
         self.resumed = resumed
+
+
+class Branched(Message):
+    """A branch was made and opened (regenerate, edit): ``text`` is to be sent in it."""
+
+    def __init__(
+        self, resumed: ResumedConversation, text: str, sampling: SamplingSettings, how: str
+    ) -> None:
+        super().__init__()
+        self.resumed = resumed
+        self.text = text
+        self.sampling = sampling
+        self.how = how

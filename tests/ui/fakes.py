@@ -143,6 +143,9 @@ class FakeBackend:
         self.threads: set[str] = set()
         self.release = threading.Event()  # set it to let a ``hold`` send finish
         self.hold = False
+        self.messages: list[dict[str, str]] = []  # the conversation, as a store would hold it
+        self.branched: list[int] = []  # each ``branch(user_message)`` asked for
+        self.branch_error: str | None = None
 
     def _thread(self) -> None:
         self.threads.add(threading.current_thread().name)
@@ -194,6 +197,10 @@ class FakeBackend:
         while self.hold and not self.release.wait(0.01):
             pass
         self.turns += 1
+        self.messages += [
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": "".join(said)},
+        ]
         n = len(said)
         return TurnView(
             reply="".join(said),
@@ -229,10 +236,26 @@ class FakeBackend:
         if conv_id not in self.saved:
             raise KvchatError(f"no conversation {conv_id!r}; `kvchat list` shows the ids")
         resumed = self.saved[conv_id]
+        self.messages = list(resumed.messages)
         if resumed.memory_history:
             self.tokens = resumed.memory_history[-1].tokens
             self.turns = len(resumed.memory_history)
         return resumed
+
+    def branch(self, user_message: int) -> ResumedConversation:
+        self._thread()
+        self.branched.append(user_message)
+        if self.branch_error:
+            raise KvchatError(self.branch_error)
+        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        self.messages = self.messages[: users[user_message - 1]]
+        self.turns = len(self.messages) // 2
+        return ResumedConversation(
+            id=f"fork-{len(self.branched)}",
+            title="a branch",
+            messages=list(self.messages),
+            forked_from="parent-id",
+        )
 
     def close(self) -> None:
         pass

@@ -5,6 +5,7 @@ The one place the CLI and the UI go through, so both save and resume the same wa
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,6 +93,32 @@ def regenerable_prompt(store: ConversationStore, conversation_id: str) -> str:
             f"{turns - 1}`) and send them again"
         )
     return asked[0]
+
+
+def turn_before_message(store: ConversationStore, conversation_id: str, user_message: int) -> int:
+    """The turn to fork at so that the conversation goes on just before its
+    ``user_message``-th user message (1-based): an edit of that message branches there.
+    KvchatError (one line, with what to do) when that message shares its turn with another
+    prompt (saved together after a failed save) or its turn kept no record of its own."""
+    cid = store.resolve(conversation_id)
+    counts = store.message_counts(cid)
+    messages = json.loads(store.export(cid, "json"))["messages"]
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not 1 <= user_message <= len(users):
+        raise KvchatError(
+            f"conversation {cid} has {len(users)} saved message(s) of yours, not "
+            f"{user_message}; wait for the reply to be saved, then edit"
+        )
+    at = users[user_message - 1]
+    turn = next(i for i, n in enumerate(counts, start=1) if n is not None and n > at)
+    start = 0 if turn == 1 else counts[turn - 2]
+    if start is None or sum(1 for i in users if start <= i < (counts[turn - 1] or 0)) != 1:
+        raise KvchatError(
+            f"message {user_message} of conversation {cid} shares its saved turn with another "
+            "prompt (saved together after a failed save) or was saved by an older kvchat; "
+            f"fork it with `kvchat fork {cid} --turn N` instead"
+        )
+    return turn - 1
 
 
 def resumed_view(session: ChatSession) -> dict[str, Any]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from rich.text import Text
-from textual import work
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Footer, OptionList, Static
+from textual.widgets import Footer, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
 from kvchat.errors import KvchatError
@@ -29,9 +29,18 @@ def describe(row: dict[str, Any]) -> Text:
         f" · {fmt_bytes(row.get('bytes_on_disk', 0))} · {when}",
         style="dim",
     )
+    origin = row.get("forked_from")
+    if origin:
+        text.append(f"\n↳ branch of {origin['id']} at turn {origin['turn']}", style="dim italic")
     if row.get("error"):
         text.append(f"\n⚠ {row['error']}", style="red")
     return text
+
+
+def matches(row: dict[str, Any], query: str) -> bool:
+    """Whether a conversation's title, id or any message holds every word of ``query``."""
+    haystack = " ".join([row.get("title") or "", row["id"], row.get("text") or ""]).lower()
+    return all(word in haystack for word in query.lower().split())
 
 
 class ConversationsScreen(ModalScreen[str | None]):
@@ -40,6 +49,7 @@ class ConversationsScreen(ModalScreen[str | None]):
     BINDINGS = [
         Binding("escape,f4", "dismiss_none", "Close"),
         Binding("enter", "resume", "Resume", show=True, key_display="⏎"),
+        Binding("slash", "search", "Search", show=True, key_display="/"),
     ]
 
     def __init__(self, list_conversations) -> None:
@@ -50,13 +60,25 @@ class ConversationsScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="conversations-box", classes="dialog") as box:
             box.border_title = "saved conversations"
+            yield Input(placeholder="search titles and messages", id="conversations-search")
             yield Static("reading the conversation store…", id="conversations-status")
             yield OptionList(id="conversations")
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self.query_one(OptionList).display = False
+        self.query_one(Input).display = False
         self.load_rows()
+
+    @on(Input.Changed, "#conversations-search")
+    def search(self, event: Input.Changed) -> None:
+        self._show(event.value)
+
+    @on(Input.Submitted, "#conversations-search")
+    def search_done(self, event: Input.Submitted) -> None:
+        options = self.query_one(OptionList)
+        if options.option_count:
+            options.focus()
 
     @work(thread=True, exit_on_error=False)
     def load_rows(self) -> None:
@@ -76,18 +98,35 @@ class ConversationsScreen(ModalScreen[str | None]):
 
     def show_rows(self, rows: list[dict[str, Any]]) -> None:
         self.rows = rows
+        if not rows:
+            self.query_one("#conversations-status", Static).update("No saved conversations yet.")
+            return
+        self.query_one(Input).display = True
+        self._show("")
+        self.query_one(OptionList).focus()
+
+    def _show(self, query: str) -> None:
         status = self.query_one("#conversations-status", Static)
         options = self.query_one(OptionList)
-        if not rows:
-            status.update("No saved conversations yet.")
-            return
-        plural = "s" if len(rows) != 1 else ""
-        status.update(f"{len(rows)} conversation{plural} · ⏎ resumes the highlighted one")
+        shown = [r for r in self.rows if matches(r, query)] if query.strip() else self.rows
+        plural = "s" if len(self.rows) != 1 else ""
+        if query.strip():
+            status.update(f"{len(shown)} of {len(self.rows)} conversation{plural} match")
+        else:
+            status.update(
+                f"{len(self.rows)} conversation{plural} · ⏎ resumes the highlighted one · "
+                "/ searches"
+            )
         options.clear_options()
-        options.add_options(Option(describe(r), id=r["id"]) for r in rows)
-        options.display = True
-        options.highlighted = 0
-        options.focus()
+        options.add_options(Option(describe(r), id=r["id"]) for r in shown)
+        options.display = bool(shown)
+        if shown:
+            options.highlighted = 0
+
+    def action_search(self) -> None:
+        search = self.query_one(Input)
+        if search.display:
+            search.focus()
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         row = next((r for r in self.rows if r["id"] == event.option.id), {})
