@@ -17,6 +17,11 @@ processes that loaded the model before the clock starts, as after a restart; the
 cache is warm for the saved files (they were just written). Per repeat the two are run
 back to back, the order alternating; ratio = re-prefill / kvchat, median over repeats.
 
+With ``--edit``: the conversation is built to turn ``--turns`` (10) and the request edits
+turn 9's message instead (turns 1..8 as they were, then a new message 9 of the same
+length, ``--edit-lines`` lines): kvchat forks the saved conversation at turn 8, resumes the
+fork from its files and feeds only the new message; re-prefill feeds the whole text.
+
 The first reply texts are printed too. They can differ (they did in a run here):
 re-prefilling feeds re-tokenized text in other chunks than the turns were fed in, so its
 state is not the one the conversation had; kvchat continues from that very state (its
@@ -80,18 +85,23 @@ def first_token(data_dir: Path, messages: list[dict]) -> dict:
         client = server.client(timeout=600)
         started = time.perf_counter()
         stream = client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=4, stream=True
+            model=MODEL,
+            messages=messages,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
         )
-        text = ""
+        text, seconds, cached = "", None, None
         for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
+            if seconds is None and chunk.choices and chunk.choices[0].delta.content:
                 text = chunk.choices[0].delta.content
-                break
-        seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - started
+            if chunk.usage is not None:
+                cached = chunk.usage.prompt_tokens_details.cached_tokens
         stream.close()
     finally:
         server.stop()
-    return {"seconds": seconds, "first_text": text}
+    return {"seconds": seconds, "first_text": text, "cached_tokens": cached}
 
 
 def main() -> None:
@@ -102,17 +112,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="1 repeat")
-    parser.add_argument("--out", default="results/bench_serve.json")
+    parser.add_argument("--edit", action="store_true", help="edit turn N-1's message instead")
+    parser.add_argument("--edit-lines", type=int, default=None, help="its lines (--lines)")
+    parser.add_argument("--out", default=None, help="results/bench_serve[_edit].json")
     args = parser.parse_args()
+    args.out = args.out or (
+        "results/bench_serve_edit.json" if args.edit else "results/bench_serve.json"
+    )
     repeats = 1 if args.quick else args.repeats
     wall = harness.stopwatch()
     env = harness.environment(threads=None)  # the servers choose their own
 
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         root = Path(tmp)
-        harness.say(f"building a {args.turns - 1}-turn conversation")
-        history = build(root / "saved", args.turns - 1, args.lines, args.reply_tokens, args.seed)
-        request = history + [{"role": "user", "content": notes(args.turns, args.lines, args.seed)}]
+        built = args.turns if args.edit else args.turns - 1
+        harness.say(f"building a {built}-turn conversation")
+        history = build(root / "saved", built, args.lines, args.reply_tokens, args.seed)
+        if args.edit:  # turn N-1's message edited: turns 1..N-2 as they were, then the edit
+            edited = notes(args.turns - 1, args.edit_lines or args.lines, args.seed + 1)
+            request = history[: 2 * (args.turns - 2)] + [{"role": "user", "content": edited}]
+        else:
+            request = history + [
+                {"role": "user", "content": notes(args.turns, args.lines, args.seed)}
+            ]
 
         def measure(kind: str, r: int) -> dict:
             data = root / f"{kind}-{r}"
@@ -134,14 +156,30 @@ def main() -> None:
     median = {kind: harness.median([run["seconds"] for run in runs[kind]]) for kind in runs}
     ratio = harness.median([row["ratio"] for row in rows])
     texts = {kind: [run["first_text"] for run in runs[kind]] for kind in runs}
-    print(f"| turn {args.turns}, ~{context} tokens of history | time to first token |")
+    if args.edit:
+        what = f"turn {args.turns - 1} edited in a {args.turns}-turn, ~{context}-token chat"
+        how = f"kvchat serve, forked at turn {args.turns - 2} from its files"
+    else:
+        what, how = (
+            f"turn {args.turns}, ~{context} tokens of history",
+            ("kvchat serve, resumed from its files"),
+        )
+    print(f"| {what} | time to first token |")
     print("|---|---|")
-    print(f"| kvchat serve, resumed from its files | {median['kvchat'] * 1000:.0f} ms |")
+    print(f"| {how} | {median['kvchat'] * 1000:.0f} ms |")
     print(f"| re-prefill of the text history | {median['re-prefill'] * 1000:.0f} ms |")
     print(f"| ratio (re-prefill / kvchat), median of {repeats} | {ratio:.1f}x |")
     # They may differ: see the module docstring.
     print(f"first reply text: kvchat {texts['kvchat']!r}, re-prefill {texts['re-prefill']!r}")
-    summary = {"context_tokens": context, "median_seconds": median, "ratio": ratio}
+    summary = {
+        "context_tokens": context,
+        "edit": args.edit,
+        "request_messages": len(request),
+        "median_seconds": median,
+        "ratio": ratio,
+    }
+    if args.edit:
+        summary["cached_tokens"] = [run.get("cached_tokens") for run in runs["kvchat"]]
     fields = {"args": vars(args), "summary": summary, "repeats": rows}
     harness.save_run(args.out, "bench_serve", fields, env, wall())
 

@@ -15,8 +15,10 @@ from starlette.routing import Route
 
 from kvchat.serve import protocol
 from kvchat.serve.auth import bearer_matches
+from kvchat.serve.matcher import history_at
 from kvchat.serve.protocol import RequestError
-from kvchat.serve.sse import stream_completion
+from kvchat.serve.responses import parse_responses_request
+from kvchat.serve.sse import finished_response, stream_completion, stream_response
 from kvchat.serve.worker import EngineWorker, Job, TurnReply
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -142,6 +144,60 @@ def create_app(
         )
         return JSONResponse(body, headers=headers)
 
+    def history_of(conversation: str, turn: int) -> tuple[str | None, list[dict[str, str]]]:
+        return history_at(worker.matcher.store, model_name, conversation, turn)
+
+    async def responses(request: Request) -> Response:
+        if (refusal := denied(request)) is not None:
+            return refusal
+        try:
+            asked = await asyncio.to_thread(
+                parse_responses_request, await read_body(request, max_body_bytes), history_of
+            )
+        except RequestError as exc:
+            return error_response(exc)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(kind: str, payload: Any) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+
+        job = Job(asked.chat, emit)
+        try:
+            worker.submit(job)
+        except RequestError as exc:
+            return error_response(exc)
+        try:
+            conversation, first = await _first_event(events)
+        except BaseException:
+            job.cancel.set()
+            raise
+        headers = {CONVERSATION_HEADER: conversation} if conversation else {}
+        if first[0] == "error":
+            return error_response(first[1], headers=headers)
+        if asked.chat.stream:
+            headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                stream_response(
+                    job=job, first=first, events=events, asked=asked, model=model_name,
+                    extension=extension,
+                ),
+                media_type="text/event-stream",
+                headers=headers,
+            )  # fmt: skip
+        try:
+            kind, payload = first
+            while kind == "text":
+                kind, payload = await events.get()
+        except BaseException:
+            job.cancel.set()
+            raise
+        if kind == "error":
+            return error_response(payload, headers=headers)
+        return JSONResponse(
+            finished_response(payload, asked, model_name, extension), headers=headers
+        )
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         message = {404: "no such endpoint", 405: "method not allowed"}.get(
@@ -166,6 +222,7 @@ def create_app(
             Route("/health", health, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,

@@ -103,3 +103,31 @@ class ConversationMatcher:
         entry = _Entry(revision, system, messages, counts)
         self._entries[summary.id] = entry
         return entry
+
+
+def history_at(
+    store: ConversationStore, model_name: str, conversation: str, turn: int
+) -> tuple[str | None, list[dict[str, str]]]:
+    """``(system, messages)`` of a saved conversation as it stood after ``turn``: what a
+    Responses API ``previous_response_id`` continues. RequestError when there is none."""
+    from kvchat.serve.protocol import RequestError
+
+    missing = RequestError(
+        f"Previous response with id 'resp_{conversation}_{turn}' not found.",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+    try:
+        summary = store.summary(conversation)
+        if summary.id != conversation or summary.model != model_name or summary.error:
+            raise missing
+        counts = store.message_counts(conversation)
+        doc = json.loads(store.export(conversation, "json"))
+    except (KvchatError, ValueError, OSError):
+        raise missing from None
+    if not 1 <= turn <= len(counts) or counts[turn - 1] is None:
+        raise missing
+    messages = [
+        {"role": m["role"], "content": m["content"]} for m in doc["messages"][: counts[turn - 1]]
+    ]
+    return (doc.get("settings") or {}).get("system"), messages

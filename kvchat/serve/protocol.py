@@ -69,6 +69,7 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    save: bool = True  # False (the Responses API's store: false): answered, never saved
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -110,13 +111,13 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         system=system,
         history=history,
         user=user,
-        max_tokens=_optional_int(max_tokens, "max_tokens", minimum=1),
-        temperature=_optional_number(body.get("temperature"), "temperature", 0.0, 2.0),
-        top_p=_top_p(body.get("top_p")),
-        seed=_optional_int(body.get("seed"), "seed"),
+        max_tokens=optional_int(max_tokens, "max_tokens", minimum=1),
+        temperature=optional_number(body.get("temperature"), "temperature", 0.0, 2.0),
+        top_p=top_p_value(body.get("top_p")),
+        seed=optional_int(body.get("seed"), "seed"),
         stop=_stop(body.get("stop")),
-        stream=_optional_bool(body.get("stream"), "stream"),
-        include_usage=_optional_bool(stream_options.get("include_usage"), "include_usage"),
+        stream=optional_bool(body.get("stream"), "stream"),
+        include_usage=optional_bool(stream_options.get("include_usage"), "include_usage"),
     )
 
 
@@ -167,7 +168,7 @@ def _content(content: Any, param: str) -> str:
     raise RequestError(f"{param}.content must be a string", param=param)
 
 
-def _optional_int(value: Any, name: str, minimum: int | None = None) -> int | None:
+def optional_int(value: Any, name: str, minimum: int | None = None) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
@@ -177,7 +178,7 @@ def _optional_int(value: Any, name: str, minimum: int | None = None) -> int | No
     return value
 
 
-def _optional_number(value: Any, name: str, low: float, high: float) -> float | None:
+def optional_number(value: Any, name: str, low: float, high: float) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -187,8 +188,8 @@ def _optional_number(value: Any, name: str, low: float, high: float) -> float | 
     return float(value)
 
 
-def _top_p(value: Any) -> float:
-    top_p = _optional_number(value, "top_p", 0.0, 1.0)
+def top_p_value(value: Any) -> float:
+    top_p = optional_number(value, "top_p", 0.0, 1.0)
     if top_p is None:
         return 1.0
     if top_p == 0.0:
@@ -196,7 +197,7 @@ def _top_p(value: Any) -> float:
     return top_p
 
 
-def _optional_bool(value: Any, name: str) -> bool:
+def optional_bool(value: Any, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):

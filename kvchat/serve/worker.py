@@ -52,6 +52,7 @@ class TurnReply:
     conversation: str | None  # None: answered from text, not saved
     error: str | None = None
     cached_tokens: int = 0  # of prompt_tokens, those whose saved state was reused, not fed
+    turn: int | None = None  # the saved turn this reply is (None: not saved)
 
 
 def context_length(loaded: LoadedModel) -> int | None:
@@ -177,6 +178,9 @@ class EngineWorker:
         if tail:
             job.emit("text", tail)
         conversation = session.conversation.id if session.conversation is not None else None
+        turn = None
+        if conversation is not None and not result.save_error:
+            turn = len(session.conversation.manifest.turns)
         if conversation is None:
             self._close(session)  # answered from text: nothing to keep in memory
         return TurnReply(
@@ -186,6 +190,7 @@ class EngineWorker:
             prompt_tokens=len(session.token_ids) - len(result.tokens),
             prefilled_tokens=result.prompt_tokens,
             cached_tokens=cached,
+            turn=turn,
             tokens=list(result.tokens),
             conversation=conversation,
             error=self.redact(result.error) if result.error else None,
@@ -193,6 +198,15 @@ class EngineWorker:
 
     # -- which session serves a request ------------------------------------------------
     def _session_for(self, request: ChatRequest) -> ChatSession:
+        if not request.save:  # answered from its text, and nothing of it kept
+            self._close_active()
+            session = open_session(
+                self.loaded, data_dir=self.data_dir, cache=self.cache, system=request.system,
+                save=False,
+            )  # fmt: skip
+            if request.history:
+                session.seed_history(request.history)
+            return session
         wanted = message_key(request.system, request.history)
         active = self._active
         if active is not None and message_key(active.system, active.messages) == wanted:
