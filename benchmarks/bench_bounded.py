@@ -133,7 +133,7 @@ def smollm2_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def gemma_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM
 
     from kvchat.engine.chat.generate import prefill
     from kvchat.engine.chat.session import ChatSession
@@ -156,8 +156,7 @@ def gemma_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     ids = ids.tolist()
     rows = []
     root = Path(tempfile.mkdtemp(prefix="kvchat-bench-gemma-"))
-    base = ChatSession(loaded, cache=CacheSettings(kind="standard"))
-    base.cache = DynamicCache(config=model.config)
+    base = ChatSession(loaded, cache=CacheSettings(kind="standard"))  # a DynamicCache
     bounded = ChatSession(loaded, cache=CacheSettings(max_mem=64 * 10**6), spill_root=root)
     with torch.inference_mode():
         t0 = time.perf_counter()

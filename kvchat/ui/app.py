@@ -513,9 +513,10 @@ class KvchatApp(App[None]):
         view.scroll_visible()
         self.prompt.load_text(view.text)
         self.prompt.focus()
+        self.clear_notifications()  # one editing note at a time, for the message picked now
         self.notify(
-            f"editing your message {which} of {len(users)}: ⏎ sends it as a branch (the "
-            "original stays in f4), ctrl+b picks an earlier one, esc cancels",
+            f"editing message {which} of {len(users)} · ⏎ sends it as a branch · ctrl+b: an "
+            "earlier one · esc cancels",
             timeout=6,
         )
         self.refresh_bindings()

@@ -62,3 +62,40 @@ def test_not_saved_notice_at_80x24(snap_compare):
 
     app = KvchatApp(FakeBackend(reply=MARKDOWN_REPLY, save_error=disk_full))
     assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_editing_an_earlier_message_at_80x24(snap_compare):
+    """ctrl+b twice: the message being edited is marked, its text is in the box."""
+
+    async def run_before(pilot) -> None:
+        await _chat(pilot, 2)
+        await pilot.press("ctrl+b", "ctrl+b")
+        await pilot.pause()
+
+    assert snap_compare(app_for_snapshot(), terminal_size=(80, 24), run_before=run_before)
+
+
+def test_saved_conversations_searched_at_80x24(snap_compare):
+    """F4 with a search typed: the matching branch, and where it came from."""
+    from tests.ui.fakes import SAMPLE_CONVERSATIONS
+
+    rows = [
+        {**SAMPLE_CONVERSATIONS[0], "text": "what is the capital of france?"},
+        {
+            **SAMPLE_CONVERSATIONS[0],
+            "id": "20261201-090000-f0f0",
+            "title": "Capital cities, edited",
+            "text": "what is the capital of italy?",
+            "forked_from": {"id": "20261130-120000-abcd", "turn": 1},
+        },
+    ]
+
+    async def run_before(pilot) -> None:
+        await ready(pilot)
+        await pilot.press("f4")
+        await pilot.pause(0.3)
+        await pilot.press("slash", *"italy")
+        await pilot.pause(0.3)
+
+    app = KvchatApp(FakeBackend(reply=MARKDOWN_REPLY, conversations=rows))
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)

@@ -20,11 +20,10 @@ from kvchat.engine.models.loaded import LoadedModel
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
-    from transformers import DynamicCache
-
     from kvchat.engine.kvdirect.cache import KVDirectCache
     from kvchat.engine.kvdirect.costs import DeviceCosts
     from kvchat.engine.kvdirect.planner import Plan, Planner
+    from kvchat.engine.kvdirect.standard import StandardCache
     from kvchat.storage import Conversation
 
 PLAIN_STOP_STRINGS = ("\nUser:", "\nuser:")
@@ -92,12 +91,13 @@ class ChatSession:
         """``forms``: per-layer cold forms of a resumed conversation (kept as saved)."""
         settings = self.cache_settings
         self.planner: Planner | None = None
-        self.cache: KVDirectCache | DynamicCache
+        self.cache: KVDirectCache | StandardCache
         self.forms: list[str] | None
         if settings.kind == "standard":
-            from transformers import DynamicCache
+            from kvchat.engine.kvdirect.standard import StandardCache
 
-            self.cache = DynamicCache(config=self.loaded.model.config)
+            loaded = self.loaded
+            self.cache = StandardCache(loaded.model.config, loaded.footprint, settings.max_mem)
             self.forms = None
         elif settings.kind == "kvdirect":
             from kvchat.engine.kvdirect.cache import HOT_RESERVE_ROWS, KVDirectCache
@@ -132,9 +132,7 @@ class ChatSession:
         return device_costs(loaded.footprint, loaded.device, loaded.dtype, root)
 
     def _detach_cache(self) -> None:
-        close = getattr(self.cache, "close", None)
-        if close is not None:
-            close()
+        self.cache.close()
 
     def close(self) -> None:
         """Unhook the cache from the model and release the conversation's lock."""
@@ -156,8 +154,7 @@ class ChatSession:
     def _before_forward(self, n_new: int) -> None:
         self._note_state_peak()
         if self.planner is None:
-            if self.cache_settings.max_mem is not None:
-                self._check_standard_ceiling(n_new)
+            self.cache.prepare(n_new)
             return
         self.plan = self._plan(self.cache.get_seq_length() + n_new)
         self.cache.apply_plan(self.plan)
@@ -165,20 +162,15 @@ class ChatSession:
     def _release_reserve(self) -> None:
         """The rows decode reserved ahead go back once the reply is done (see
         ``KVDirectCache.hot_reserve``), and so does the heap they leave free."""
-        release = getattr(self.cache, "release_reserve", None)
-        if release is not None and self.cache.hot_reserve:
+        if self.cache.release_reserve():
             from kvchat.engine.models.heap import return_freed_memory
 
-            release()
             return_freed_memory()
 
     def _note_state_peak(self) -> None:
         """Resident state as the last forward call left it, held all at once (hot K/V,
         resident checkpoints, token ids and that call's scratch): the peak the ceiling bounds."""
-        stats = getattr(self.cache, "stats", None)
-        if stats is None:
-            return
-        now = self.cache.hot_bytes() + self.cache.checkpoint_bytes() + stats.step_scratch_bytes
+        now = self.cache.resident_bytes()
         self.state_peak_bytes = max(self.state_peak_bytes, now + 8 * len(self.token_ids))
 
     def _plan(self, n_tokens: int) -> Plan:
@@ -192,19 +184,6 @@ class ChatSession:
             kv_window = explicit if plan.kv_window is None else min(plan.kv_window, explicit)
             plan = dataclasses.replace(plan, hot_window=window, kv_window=kv_window)
         return plan
-
-    def _check_standard_ceiling(self, n_new: int) -> None:
-        from kvchat.errors import NeedsDiskTierError
-        from kvchat.units import human_bytes
-
-        n_after = self.cache.get_seq_length() + n_new
-        need = self.loaded.footprint.standard_cache_bytes(n_after)
-        if need > self.cache_settings.max_mem:
-            raise NeedsDiskTierError(
-                f"the standard cache needs {human_bytes(need)} for {n_after} tokens, over "
-                f"--max-mem {human_bytes(self.cache_settings.max_mem)}; use --cache kvdirect "
-                "or raise --max-mem"
-            )
 
     def _fit_context(self, n_tokens: int, sampling: SamplingSettings) -> SamplingSettings:
         """Refuse a conversation longer than the model's positions (past them a model says
@@ -515,7 +494,7 @@ class ChatSession:
 
     def disk_bytes(self) -> int:
         """Saved segments plus checkpoints spilled since the last save."""
-        spilled = getattr(self.cache, "disk_bytes", lambda: 0)()
+        spilled = self.cache.disk_bytes()
         if self.conversation is None:
             return spilled
         return spilled + sum(t.segment.nbytes for t in self.conversation.manifest.turns)

@@ -944,11 +944,20 @@ class KVDirectCache(Cache):
         self._budget_need_total = 0
         self.stats.step_scratch_bytes = 0
 
-    def release_reserve(self) -> None:
+    def release_reserve(self) -> bool:
         """Give back every hot window's reserve: between replies the cache holds its rows
-        and nothing more (what the standard cache holds, with no ceiling)."""
+        and nothing more (what the standard cache holds, with no ceiling). True when there
+        was a reserve to give back."""
+        if not self.hot_reserve:
+            return False
         for layer in self.layers:
             layer.release_reserve()
+        return True
+
+    def resident_bytes(self) -> int:
+        """State held right now: hot K/V, resident checkpoints and the last forward call's
+        scratch, all at the same moment (token ids are the session's)."""
+        return self.hot_bytes() + self.checkpoint_bytes() + self.stats.step_scratch_bytes
 
     def spill_bytes_live(self) -> int:
         """Bytes of rows that only a spill file holds (nothing saved points at them)."""
