@@ -91,11 +91,16 @@ def test_saved_conversations_searched_at_80x24(snap_compare):
     ]
 
     async def run_before(pilot) -> None:
+        from kvchat.ui.screens.conversations import ConversationsScreen
+        from tests.ui.helpers import wait_until
+
         await ready(pilot)
         await pilot.press("f4")
-        await pilot.pause(0.3)
+        screen = lambda: pilot.app.screen  # noqa: E731
+        await wait_until(pilot, lambda: isinstance(screen(), ConversationsScreen) and screen().rows)
         await pilot.press("slash", *"italy")
-        await pilot.pause(0.3)
+        await wait_until(pilot, lambda: screen().query_one("#conversations").option_count == 1)
+        await pilot.pause()
 
     app = KvchatApp(FakeBackend(reply=MARKDOWN_REPLY, conversations=rows))
     assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
