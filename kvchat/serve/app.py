@@ -16,7 +16,7 @@ from starlette.routing import Route
 from kvchat.serve import protocol
 from kvchat.serve.auth import bearer_matches
 from kvchat.serve.matcher import history_at
-from kvchat.serve.protocol import RequestError
+from kvchat.serve.protocol import ChatRequest, RequestError
 from kvchat.serve.responses import parse_responses_request
 from kvchat.serve.sse import finished_response, stream_completion, stream_response
 from kvchat.serve.worker import EngineWorker, Job, TurnReply
@@ -81,13 +81,9 @@ def create_app(
         entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "kvchat"}
         return JSONResponse({"object": "list", "data": [entry]})
 
-    async def chat_completions(request: Request) -> Response:
-        if (refusal := denied(request)) is not None:
-            return refusal
-        try:
-            chat = protocol.parse_chat_request(await read_body(request, max_body_bytes))
-        except RequestError as exc:
-            return error_response(exc)
+    async def start(chat: ChatRequest) -> tuple[Job, asyncio.Queue, tuple[str, Any], dict]:
+        """Queue a turn and wait until it starts: its job, its events, the first event after
+        the start and the conversation header. RequestError when the queue refuses it."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -95,16 +91,25 @@ def create_app(
             loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
 
         job = Job(chat, emit)
-        try:
-            worker.submit(job)
-        except RequestError as exc:
-            return error_response(exc)
+        worker.submit(job)
         try:
             conversation, first = await _first_event(events)
         except BaseException:
             job.cancel.set()  # cancelled while waiting in the queue: do not run it
             raise
-        headers = {CONVERSATION_HEADER: conversation} if conversation else {}
+        return job, events, first, {CONVERSATION_HEADER: conversation} if conversation else {}
+
+    async def chat_completions(request: Request) -> Response:
+        if (refusal := denied(request)) is not None:
+            return refusal
+        try:
+            chat = protocol.parse_chat_request(await read_body(request, max_body_bytes))
+        except RequestError as exc:
+            return error_response(exc)
+        try:
+            job, events, first, headers = await start(chat)
+        except RequestError as exc:
+            return error_response(exc)
         if first[0] == "error":
             return error_response(first[1], headers=headers)
         completion_id = protocol.new_completion_id()
@@ -122,13 +127,7 @@ def create_app(
                 media_type="text/event-stream",
                 headers=headers,
             )
-        try:
-            kind, payload = first
-            while kind == "text":
-                kind, payload = await events.get()
-        except BaseException:
-            job.cancel.set()
-            raise
+        kind, payload = await last_event(job, events, first)
         if kind == "error":
             return error_response(payload, headers=headers)
         reply: TurnReply = payload
@@ -156,23 +155,10 @@ def create_app(
             )
         except RequestError as exc:
             return error_response(exc)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def emit(kind: str, payload: Any) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-
-        job = Job(asked.chat, emit)
         try:
-            worker.submit(job)
+            job, events, first, headers = await start(asked.chat)
         except RequestError as exc:
             return error_response(exc)
-        try:
-            conversation, first = await _first_event(events)
-        except BaseException:
-            job.cancel.set()
-            raise
-        headers = {CONVERSATION_HEADER: conversation} if conversation else {}
         if first[0] == "error":
             return error_response(first[1], headers=headers)
         if asked.chat.stream:
@@ -185,13 +171,7 @@ def create_app(
                 media_type="text/event-stream",
                 headers=headers,
             )  # fmt: skip
-        try:
-            kind, payload = first
-            while kind == "text":
-                kind, payload = await events.get()
-        except BaseException:
-            job.cancel.set()
-            raise
+        kind, payload = await last_event(job, events, first)
         if kind == "error":
             return error_response(payload, headers=headers)
         return JSONResponse(
@@ -227,6 +207,18 @@ def create_app(
         exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
     )
+
+
+async def last_event(job: Job, events: asyncio.Queue, first: tuple[str, Any]) -> tuple[str, Any]:
+    """The turn's last event (done or error), the text events before it skipped."""
+    try:
+        kind, payload = first
+        while kind == "text":
+            kind, payload = await events.get()
+    except BaseException:
+        job.cancel.set()
+        raise
+    return kind, payload
 
 
 async def _first_event(events: asyncio.Queue) -> tuple[str | None, tuple[str, Any]]:

@@ -78,8 +78,8 @@ class ChatRequest:
         return head + self.history + [{"role": "user", "content": self.user}]
 
 
-def parse_chat_request(raw: bytes) -> ChatRequest:
-    """Validate a ``POST /v1/chat/completions`` body; RequestError says what is wrong."""
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; RequestError when it is not UTF-8 JSON or not one."""
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
@@ -91,6 +91,12 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         ) from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def parse_chat_request(raw: bytes) -> ChatRequest:
+    """Validate a ``POST /v1/chat/completions`` body; RequestError says what is wrong."""
+    body = json_object(raw)
     for name in REFUSED_FIELDS:
         if body.get(name) not in (None, False, [], {}):
             raise RequestError(f"'{name}' is not supported by kvchat serve", param=name)

@@ -16,7 +16,6 @@ refused with OpenAI-shaped 400s; fields that change nothing for a local model (`
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import time
@@ -27,6 +26,7 @@ from kvchat.serve.protocol import (
     ROLES,
     ChatRequest,
     RequestError,
+    json_object,
     optional_bool,
     optional_int,
     optional_number,
@@ -70,7 +70,7 @@ def parse_responses_request(raw: bytes, history_of: Any) -> ResponsesRequest:
     """Validate a ``POST /v1/responses`` body. ``history_of(conversation, turn)`` returns
     ``(system, messages)`` of a stored response's conversation as it stood after that turn,
     or raises RequestError."""
-    body = _object(raw)
+    body = json_object(raw)
     for name in REFUSED:
         if body.get(name) not in (None, False, [], {}, "auto", "none"):
             raise RequestError(f"'{name}' is not supported by kvchat serve", param=name)
@@ -122,21 +122,6 @@ def parse_responses_request(raw: bytes, history_of: Any) -> ResponsesRequest:
         save=store,
     )
     return ResponsesRequest(chat, store, instructions, previous)
-
-
-def _object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise RequestError("the request body is not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise RequestError(
-            f"the request body is not valid JSON ({exc.msg} at line {exc.lineno} column "
-            f"{exc.colno})"
-        ) from None
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
 
 
 def _input_messages(value: Any) -> list[dict[str, str]]:

@@ -44,7 +44,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -785,6 +785,37 @@ class ConversationStore:
                 f"cannot create the conversation folder {self.conversations_dir} "
                 f"({one_line(e.strerror)}); check the disk and --data-dir"
             ) from None
+
+        def fill(staging: Path, conv_id: str) -> tuple[Manifest, str]:
+            now = utc_now()
+            manifest = Manifest(
+                id=conv_id,
+                title="",
+                created=now,
+                updated=now,
+                model=ModelInfo(name=model_name, fingerprint=fingerprint, dtype=dtype),
+                settings=settings,
+            )
+            journal_id = journal.new_journal_id()
+            atomic.empty_file(staging / JOURNAL_NAME, sync_dir=False)
+            # Also fsyncs `staging`, making `segments/`, the journal and `lock` durable.
+            write_text_atomic(staging / MANIFEST_NAME, manifest.to_json(journal_id=journal_id))
+            return manifest, journal_id
+
+        final, manifest, journal_id, lock = self._assemble(
+            fill, f"cannot create a conversation in {self.conversations_dir}"
+        )
+        state = _Journal(final / JOURNAL_NAME, journal_id, 0)
+        return Conversation(final, manifest, lock, state)
+
+    def _assemble(
+        self, fill: Callable[[Path, str], tuple[Manifest, str]], failure: str
+    ) -> tuple[Path, Manifest, str, ConversationLock]:
+        """A new conversation under a fresh id: ``fill(staging, id)`` writes its files into a
+        hidden ``.creating-*`` folder (``segments/`` and the lock already there) and returns
+        its manifest and journal id; the folder is then renamed into place complete, so
+        ``list()`` never sees half a conversation. Returns the folder, the manifest, the
+        journal id and the lock, still held. ``failure`` starts the message of an OSError."""
         self._sweep()
         for _ in range(50):
             conv_id = _new_id()
@@ -797,19 +828,7 @@ class ConversationStore:
                 make_private_dir(staging)  # conversations are private text
                 lock.acquire()
                 make_private_dir(staging / SEGMENTS_DIR)
-                now = utc_now()
-                manifest = Manifest(
-                    id=conv_id,
-                    title="",
-                    created=now,
-                    updated=now,
-                    model=ModelInfo(name=model_name, fingerprint=fingerprint, dtype=dtype),
-                    settings=settings,
-                )
-                journal_id = journal.new_journal_id()
-                atomic.empty_file(staging / JOURNAL_NAME, sync_dir=False)
-                # Also fsyncs `staging`, making `segments/`, the journal and `lock` durable.
-                write_text_atomic(staging / MANIFEST_NAME, manifest.to_json(journal_id=journal_id))
+                manifest, journal_id = fill(staging, conv_id)
                 try:
                     os.rename(staging, final)
                 except OSError as e:
@@ -826,16 +845,14 @@ class ConversationStore:
                 lock.release()
                 shutil.rmtree(staging, ignore_errors=True)
                 raise StorageError(
-                    f"cannot create a conversation in {self.conversations_dir} "
-                    f"({one_line(e.strerror or e)}); free disk space or check permissions"
+                    f"{failure} ({one_line(e.strerror or e)}); free disk space or check permissions"
                 ) from e
             except BaseException:
                 lock.release()
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
             lock.path = final / LOCK_NAME
-            state = _Journal(final / JOURNAL_NAME, journal_id, 0)
-            return Conversation(final, manifest, lock, state)
+            return final, manifest, journal_id, lock
         raise StorageError(  # pragma: no cover - 50 collisions means something else is wrong
             f"cannot find a free conversation id in {self.conversations_dir}; try again"
         )
@@ -1037,69 +1054,34 @@ class ConversationStore:
         records: list[dict[str, Any]],
         at_turn: Manifest,
     ) -> str:
-        self._sweep()
-        for _ in range(50):
-            conv_id = _new_id()
-            final = self.conversations_dir / conv_id
-            if os.path.lexists(final):
-                continue
-            staging = self.conversations_dir / f"{_CREATING}{conv_id}-{os.getpid()}"
-            lock = ConversationLock(staging / LOCK_NAME, conv_id)
-            try:
-                make_private_dir(staging)
-                lock.acquire()
-                make_private_dir(staging / SEGMENTS_DIR)
-                for t in at_turn.turns:
-                    share_file(
-                        source / SEGMENTS_DIR / t.segment.file,
-                        staging / SEGMENTS_DIR / t.segment.file,
-                    )
-                fsync_dir(staging / SEGMENTS_DIR)
-                now = utc_now()
-                fork_header = dataclasses.replace(
-                    header,
-                    id=conv_id,
-                    created=now,
-                    updated=now,
-                    format_version=FORMAT_VERSION,
-                    forked_from=ForkOrigin(parent, len(at_turn.turns)),
-                )
-                journal_id = journal.new_journal_id()
-                lines = b"".join(journal.reseal(r, journal_id) for r in records)
-                atomic.write_atomic(staging / JOURNAL_NAME, lines)
-                # Also fsyncs `staging`: the journal and `lock` are durable before the rename.
-                write_text_atomic(
-                    staging / MANIFEST_NAME, fork_header.to_json(journal_id=journal_id)
-                )
-                try:
-                    os.rename(staging, final)
-                except OSError as e:
-                    if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                        raise
-                    lock.release()
-                    shutil.rmtree(staging, ignore_errors=True)
-                    continue
-                try:
-                    fsync_dir(self.conversations_dir)
-                except OSError:
-                    pass  # renamed: committed; only durability is in doubt
-            except OSError as e:
-                lock.release()
-                shutil.rmtree(staging, ignore_errors=True)
-                raise StorageError(
-                    f"cannot fork conversation {parent} in {self.conversations_dir} "
-                    f"({one_line(e.strerror or e)}); free disk space or check permissions "
-                    "(the conversation itself is unchanged)"
-                ) from e
-            except BaseException:
-                lock.release()
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
-            lock.release()
-            return conv_id
-        raise StorageError(  # pragma: no cover - 50 collisions means something else is wrong
-            f"cannot find a free conversation id in {self.conversations_dir}; try again"
+        def fill(staging: Path, conv_id: str) -> tuple[Manifest, str]:
+            for t in at_turn.turns:
+                name = t.segment.file
+                share_file(source / SEGMENTS_DIR / name, staging / SEGMENTS_DIR / name)
+            fsync_dir(staging / SEGMENTS_DIR)
+            now = utc_now()
+            fork_header = dataclasses.replace(
+                header,
+                id=conv_id,
+                created=now,
+                updated=now,
+                format_version=FORMAT_VERSION,
+                forked_from=ForkOrigin(parent, len(at_turn.turns)),
+            )
+            journal_id = journal.new_journal_id()
+            lines = b"".join(journal.reseal(r, journal_id) for r in records)
+            atomic.write_atomic(staging / JOURNAL_NAME, lines)
+            # Also fsyncs `staging`: the journal and `lock` are durable before the rename.
+            write_text_atomic(staging / MANIFEST_NAME, fork_header.to_json(journal_id=journal_id))
+            return fork_header, journal_id
+
+        final, _, _, lock = self._assemble(
+            fill,
+            f"cannot fork conversation {parent} in {self.conversations_dir} (the conversation "
+            "itself is unchanged)",
         )
+        lock.release()
+        return final.name
 
     # -- list / delete / export ----------------------------------------------------------
 
