@@ -22,7 +22,7 @@
  */
 
 #include <math.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #include <pthread.h>
@@ -511,6 +511,130 @@ static void fold_rows_avx512(const Job *job, int64_t kv_head, int64_t first) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* The many-rows layout with AVX2 registers, for CPUs without AVX-512: a tile's LANES rows
+ * are two registers of 8, each lane the portable code's operations (fused multiply-adds,
+ * adds, products, max, the same exp, the same partial sums and tree), so the bits are the
+ * portable code's; only the speed changes. */
+typedef struct {
+  __m256 lo, hi;
+} Lanes16;
+
+static inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  __m256 clamped = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 t = _mm256_fmadd_ps(clamped, _mm256_set1_ps(1.44269504088896341f), magic);
+  __m256 n = _mm256_sub_ps(t, magic);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), clamped);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r2 = _mm256_mul_ps(r, r);
+  __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 out = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm256_blendv_ps(out, _mm256_setzero_ps(), under);
+}
+
+static void fold_tile_avx2(const Job *job, int64_t kv_head, int64_t first) {
+  const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
+  int64_t row0, lanes;
+  rows_span(job, kv_head, first, &row0, &lanes);
+  float qt[dim * LANES], acc[dim * LANES], buf[LANES], kr[dim], vr[dim];
+  int64_t pos[LANES], max_pos = INT64_MIN, min_pos = INT64_MAX;
+  for (int t = 0; t < LANES; t++) {
+    int live = t < lanes;
+    int64_t row = row0 + t;
+    pos[t] = live ? job->q_pos[(first + t) % q_len] : INT64_MIN / 2;
+    for (int64_t e = 0; e < dim; e++) {
+      qt[e * LANES + t] = live ? job->q[row * dim + e] * job->scale : 0.0f;
+      acc[e * LANES + t] = live ? job->acc[row * dim + e] : 0.0f;
+    }
+    if (live && pos[t] > max_pos) max_pos = pos[t];
+    if (live && pos[t] < min_pos) min_pos = pos[t];
+  }
+  for (int t = 0; t < LANES; t++) buf[t] = t < lanes ? job->m[row0 + t] : -INFINITY;
+  Lanes16 m = {_mm256_loadu_ps(buf), _mm256_loadu_ps(buf + 8)};
+  for (int t = 0; t < LANES; t++) buf[t] = t < lanes ? job->l[row0 + t] : 0.0f;
+  Lanes16 l = {_mm256_loadu_ps(buf), _mm256_loadu_ps(buf + 8)};
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY), one = _mm256_set1_ps(1.0f);
+  int32_t vis_bits[LANES];
+  for (int64_t j = 0; j < job->n_keys; j++) {
+    const int64_t kp = job->key_pos0 + j;
+    if (kp > max_pos) break; /* keys come in position order: none later is visible */
+    if (window > 0 && kp <= min_pos - window) continue;
+    load_row(job->k, job->dtype, kv_head * job->k_head_stride + j * job->k_row_stride, dim, kr);
+    load_row(job->v, job->dtype, kv_head * job->v_head_stride + j * job->v_row_stride, dim, vr);
+    /* s = (q * scale) . k: PARTS partial sums (element e to sum e % PARTS), then the tree */
+    Lanes16 part[PARTS];
+    for (int i = 0; i < PARTS; i++) part[i].lo = part[i].hi = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dim; c += PARTS) {
+      const int64_t width = dim - c < PARTS ? dim - c : PARTS;
+      for (int64_t i = 0; i < width; i++) {
+        const __m256 ke = _mm256_set1_ps(kr[c + i]);
+        const float *qe = qt + (c + i) * LANES;
+        part[i].lo = _mm256_fmadd_ps(_mm256_loadu_ps(qe), ke, part[i].lo);
+        part[i].hi = _mm256_fmadd_ps(_mm256_loadu_ps(qe + 8), ke, part[i].hi);
+      }
+    }
+    for (int width = PARTS / 2; width >= 1; width /= 2)
+      for (int i = 0; i < width; i++) {
+        part[i].lo = _mm256_add_ps(part[i].lo, part[i + width].lo);
+        part[i].hi = _mm256_add_ps(part[i].hi, part[i + width].hi);
+      }
+    for (int t = 0; t < LANES; t++) vis_bits[t] = is_visible(kp, pos[t], window) ? -1 : 0;
+    const __m256 vis_lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)vis_bits));
+    const __m256 vis_hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(vis_bits + 8)));
+    Lanes16 s = part[0], mx, p, alpha;
+    mx.lo = _mm256_max_ps(_mm256_blendv_ps(minus_inf, s.lo, vis_lo), m.lo);
+    mx.hi = _mm256_max_ps(_mm256_blendv_ps(minus_inf, s.hi, vis_hi), m.hi);
+    const __m256 ch_lo = _mm256_cmp_ps(mx.lo, m.lo, _CMP_NEQ_UQ);
+    const __m256 ch_hi = _mm256_cmp_ps(mx.hi, m.hi, _CMP_NEQ_UQ);
+    const int changed = _mm256_movemask_ps(ch_lo) | _mm256_movemask_ps(ch_hi);
+    p.lo = _mm256_and_ps(vis_lo, exp_nonpositive8(_mm256_and_ps(vis_lo, _mm256_sub_ps(s.lo, mx.lo))));
+    p.hi = _mm256_and_ps(vis_hi, exp_nonpositive8(_mm256_and_ps(vis_hi, _mm256_sub_ps(s.hi, mx.hi))));
+    if (changed) {
+      alpha.lo = _mm256_blendv_ps(
+          one, exp_nonpositive8(_mm256_and_ps(ch_lo, _mm256_sub_ps(m.lo, mx.lo))), ch_lo);
+      alpha.hi = _mm256_blendv_ps(
+          one, exp_nonpositive8(_mm256_and_ps(ch_hi, _mm256_sub_ps(m.hi, mx.hi))), ch_hi);
+      l.lo = _mm256_mul_ps(l.lo, alpha.lo);
+      l.hi = _mm256_mul_ps(l.hi, alpha.hi);
+    }
+    l.lo = _mm256_add_ps(l.lo, p.lo);
+    l.hi = _mm256_add_ps(l.hi, p.hi);
+    m = mx;
+    for (int64_t e = 0; e < dim; e++) {
+      float *a = acc + e * LANES;
+      __m256 lo = _mm256_loadu_ps(a), hi = _mm256_loadu_ps(a + 8);
+      if (changed) {
+        lo = _mm256_mul_ps(lo, alpha.lo);
+        hi = _mm256_mul_ps(hi, alpha.hi);
+      }
+      const __m256 ve = _mm256_set1_ps(vr[e]);
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(p.lo, ve, lo));
+      _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(p.hi, ve, hi));
+    }
+  }
+  float ms[LANES], ls[LANES];
+  _mm256_storeu_ps(ms, m.lo);
+  _mm256_storeu_ps(ms + 8, m.hi);
+  _mm256_storeu_ps(ls, l.lo);
+  _mm256_storeu_ps(ls + 8, l.hi);
+  for (int64_t t = 0; t < lanes; t++) {
+    int64_t row = row0 + t;
+    job->m[row] = ms[t];
+    job->l[row] = ls[t];
+    for (int64_t e = 0; e < dim; e++) job->acc[row * dim + e] = acc[e * LANES + t];
+  }
+}
+#endif
+
 static void fold_unit(Job *job, int64_t unit) {
   const int64_t kv_head = unit / job->tiles_per_head;
   const int64_t first = (unit % job->tiles_per_head) * LANES;
@@ -520,6 +644,11 @@ static void fold_unit(Job *job, int64_t unit) {
     fold_rows_avx512(job, kv_head, first);
   else
     fold_tile_avx512(job, kv_head, first);
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (rows - first < FEW_ROWS)
+    fold_rows(job, kv_head, first);
+  else
+    fold_tile_avx2(job, kv_head, first);
 #else
   if (rows - first < FEW_ROWS)
     fold_rows(job, kv_head, first);
