@@ -33,6 +33,7 @@ checkpoints, chunk boundaries in ``engine_state``) is the engine's business.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -300,6 +301,13 @@ def _load(
         records=records,
     )
     return manifest, _Journal(jfile, journal_id, found.size, found.torn)
+
+
+def _header(path: Path, conv_id: str) -> tuple[Manifest, str | None]:
+    """The header alone (``manifest.json``: its inline turns, not the journal's) and the id
+    of the journal continuing it (None for format 1)."""
+    text = _read_file(path / MANIFEST_NAME, conv_id, "manifest").decode("utf-8", "replace")
+    return parse_header(text, source=path / MANIFEST_NAME, conv_id=conv_id)
 
 
 def read_manifest(path: str | os.PathLike[str], conv_id: str | None = None) -> Manifest:
@@ -932,13 +940,7 @@ class ConversationStore:
         and renamed into place complete, like ``create``: a crash leaves the parent as it
         was and at most a folder the next sweep removes.
         """
-        cid = self.resolve(conv_id)
-        source = self.conversations_dir / cid
-        _check_conversation_dir(source, cid)
-        lock = ConversationLock(source / LOCK_NAME, cid)
-        lock.acquire()
-        try:
-            _check_conversation_dir(source, cid)
+        with self._locked(conv_id) as (cid, source):
             whole = _load(source, cid)[0]
             total = len(whole.turns)
             upto = total if turn is None else turn
@@ -947,10 +949,7 @@ class ConversationStore:
                     f"conversation {cid} has {total} turn(s), so it cannot be forked at turn "
                     f"{upto}; pass --turn between 0 and {total}"
                 )
-            header_text = _read_file(source / MANIFEST_NAME, cid, "manifest").decode("utf-8")
-            header, journal_id = parse_header(
-                header_text, source=source / MANIFEST_NAME, conv_id=cid
-            )
+            header, journal_id = _header(source, cid)
             if len(header.turns) > upto:
                 raise StorageError(
                     f"the first {len(header.turns)} turns of conversation {cid} were saved by "
@@ -965,8 +964,6 @@ class ConversationStore:
             for t in at_turn.turns:
                 segments.check_size(source / SEGMENTS_DIR / t.segment.file, t.segment, cid)
             return self._write_fork(cid, source, header, records, at_turn)
-        finally:
-            lock.release()
 
     def turn_messages(self, conv_id: str, turn: int) -> list[dict[str, Any]]:
         """The messages turn ``turn`` of a conversation added (no lock: as ``export``)."""
@@ -993,8 +990,7 @@ class ConversationStore:
         cid = self.resolve(conv_id)
         path = self.conversations_dir / cid
         _check_conversation_dir(path, cid)
-        text = _read_file(path / MANIFEST_NAME, cid, "manifest").decode("utf-8", "replace")
-        header, _ = parse_header(text, source=path / MANIFEST_NAME, conv_id=cid)
+        header, _ = _header(path, cid)
         records: list[dict[str, Any]] = []
         whole = _load(path, cid, records=records)[0]
         counts: list[int | None] = [None] * len(header.turns)
@@ -1009,16 +1005,13 @@ class ConversationStore:
         return counts
 
     def _header_turns(self, path: Path, cid: str) -> int:
-        text = _read_file(path / MANIFEST_NAME, cid, "manifest").decode("utf-8", "replace")
-        header, journal_id = parse_header(text, source=path / MANIFEST_NAME, conv_id=cid)
+        header, journal_id = _header(path, cid)
         return len(header.turns) if journal_id is not None else 1 << 62
 
-    def drop_last_turn(self, conv_id: str) -> int:
-        """Remove a conversation's last turn in place (``run --regenerate --in-place``);
-        returns the turns left. Its record is cut from the journal first (the commit: the
-        conversation is then exactly as it stood before that turn), then its segment goes;
-        a crash in between leaves that segment as an interrupted save's debris, removed at
-        the next open. Forks keep their own links to it."""
+    @contextlib.contextmanager
+    def _locked(self, conv_id: str) -> Iterator[tuple[str, Path]]:
+        """``(id, folder)`` of a conversation, its lock held and the folder checked again
+        once nobody else can change it (what fork and drop_last_turn work under)."""
         cid = self.resolve(conv_id)
         path = self.conversations_dir / cid
         _check_conversation_dir(path, cid)
@@ -1026,6 +1019,17 @@ class ConversationStore:
         lock.acquire()
         try:
             _check_conversation_dir(path, cid)
+            yield cid, path
+        finally:
+            lock.release()
+
+    def drop_last_turn(self, conv_id: str) -> int:
+        """Remove a conversation's last turn in place (``run --regenerate --in-place``);
+        returns the turns left. Its record is cut from the journal first (the commit: the
+        conversation is then exactly as it stood before that turn), then its segment goes;
+        a crash in between leaves that segment as an interrupted save's debris, removed at
+        the next open. Forks keep their own links to it."""
+        with self._locked(conv_id) as (cid, path):
             whole, state = _load(path, cid)
             n = len(whole.turns)
             if n == 0 or state is None or self._header_turns(path, cid) >= n:
@@ -1043,8 +1047,6 @@ class ConversationStore:
                 )
             _unlink_quietly(path / SEGMENTS_DIR / whole.turns[-1].segment.file)
             return n - 1
-        finally:
-            lock.release()
 
     def _write_fork(
         self,
