@@ -633,6 +633,116 @@ static void fold_tile_avx2(const Job *job, int64_t kv_head, int64_t first) {
     for (int64_t e = 0; e < dim; e++) job->acc[row * dim + e] = acc[e * LANES + t];
   }
 }
+
+/* One row's dot product with a key over two AVX2 registers: parts 0-7 and 8-15 of the
+ * PARTS partial sums (element e to part e % PARTS; a short tail loads zeros, as the
+ * portable code pads), then the same tree: lane i gets lane i + width added. */
+static inline float dot_lanes8(const float *q, const float *k, int64_t dim) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + PARTS <= dim; c += PARTS) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), hi);
+  }
+  if (c < dim) {
+    float qt[PARTS] = {0}, kt[PARTS] = {0};
+    memcpy(qt, q + c, (size_t)(dim - c) * sizeof(float));
+    memcpy(kt, k + c, (size_t)(dim - c) * sizeof(float));
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(qt), _mm256_loadu_ps(kt), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(qt + 8), _mm256_loadu_ps(kt + 8), hi);
+  }
+  __m256 v = _mm256_add_ps(lo, hi);                                   /* width 8 */
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));               /* width 4 */
+  v = _mm256_add_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2))); /* width 2 */
+  v = _mm256_add_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1))); /* width 1 */
+  return _mm256_cvtss_f32(v);
+}
+
+/* The few-rows layout (a decode step) with AVX2 registers: vectorised over dim for the
+ * dot products and the weighted values, over a block of keys for the exp; per (row, key)
+ * the portable fold_rows' operations in its order, so the same bits. */
+static void fold_rows_avx2(const Job *job, int64_t kv_head, int64_t first) {
+  const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
+  int64_t row0, lanes;
+  rows_span(job, kv_head, first, &row0, &lanes);
+  float qs[lanes][dim], kbuf[KEY_BLOCK][dim], vbuf[KEY_BLOCK][dim];
+  const float *kr[KEY_BLOCK], *vr[KEY_BLOCK];
+  float *m = job->m + row0, *l = job->l + row0, *acc = job->acc + row0 * dim;
+  int64_t pos[LANES], max_pos = INT64_MIN, min_pos = INT64_MAX;
+  for (int64_t t = 0; t < lanes; t++) {
+    pos[t] = job->q_pos[(first + t) % q_len];
+    if (pos[t] > max_pos) max_pos = pos[t];
+    if (pos[t] < min_pos) min_pos = pos[t];
+    for (int64_t e = 0; e < dim; e++) qs[t][e] = job->q[(row0 + t) * dim + e] * job->scale;
+  }
+  int64_t j0 = 0;
+  if (window > 0 && min_pos - window + 1 > job->key_pos0) j0 = min_pos - window + 1 - job->key_pos0;
+  int64_t j_end = max_pos - job->key_pos0 + 1;
+  if (j_end > job->n_keys) j_end = job->n_keys;
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t jb = j0; jb < j_end; jb += KEY_BLOCK) {
+    const int64_t count = j_end - jb < KEY_BLOCK ? j_end - jb : KEY_BLOCK;
+    for (int64_t b = 0; b < count; b++) {
+      const int64_t j = jb + b;
+      const int64_t k_at = kv_head * job->k_head_stride + j * job->k_row_stride;
+      const int64_t v_at = kv_head * job->v_head_stride + j * job->v_row_stride;
+      if (job->dtype == 0) {
+        kr[b] = (const float *)job->k + k_at;
+        vr[b] = (const float *)job->v + v_at;
+      } else {
+        load_row(job->k, job->dtype, k_at, dim, kbuf[b]);
+        load_row(job->v, job->dtype, v_at, dim, vbuf[b]);
+        kr[b] = kbuf[b];
+        vr[b] = vbuf[b];
+      }
+    }
+    for (int64_t t = 0; t < lanes; t++) {
+      float s[KEY_BLOCK], mx[KEY_BLOCK], before[KEY_BLOCK], p[KEY_BLOCK], alpha[KEY_BLOCK];
+      int32_t vis_bits[KEY_BLOCK], ch_bits[KEY_BLOCK];
+      float running = m[t];
+      for (int64_t b = 0; b < KEY_BLOCK; b++) {
+        const int visible = b < count && is_visible(job->key_pos0 + jb + b, pos[t], window);
+        s[b] = visible ? dot_lanes8(qs[t], kr[b], dim) : 0.0f;
+        before[b] = running;
+        if (visible && s[b] > running) running = s[b];
+        mx[b] = running;
+        vis_bits[b] = visible ? -1 : 0;
+        ch_bits[b] = mx[b] != before[b] ? -1 : 0;
+      }
+      for (int half = 0; half < KEY_BLOCK; half += 8) {
+        const __m256 vis = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(vis_bits + half)));
+        const __m256 ch = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(ch_bits + half)));
+        const __m256 vs = _mm256_loadu_ps(s + half), vmx = _mm256_loadu_ps(mx + half);
+        const __m256 vb = _mm256_loadu_ps(before + half);
+        _mm256_storeu_ps(p + half, _mm256_and_ps(vis, exp_nonpositive8(_mm256_and_ps(vis, _mm256_sub_ps(vs, vmx)))));
+        const __m256 a = exp_nonpositive8(_mm256_and_ps(ch, _mm256_sub_ps(vb, vmx)));
+        _mm256_storeu_ps(alpha + half, _mm256_blendv_ps(one, a, ch));
+      }
+      float *out = acc + t * dim;
+      float sum = l[t];
+      for (int64_t b = 0; b < count; b++) {
+        if (!vis_bits[b]) continue;
+        int64_t e = 0;
+        if (alpha[b] != 1.0f) {
+          sum = sum * alpha[b];
+          const __m256 va = _mm256_set1_ps(alpha[b]);
+          for (e = 0; e + 8 <= dim; e += 8)
+            _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_loadu_ps(out + e), va));
+          for (; e < dim; e++) out[e] = out[e] * alpha[b];
+        }
+        sum = sum + p[b];
+        const __m256 vp = _mm256_set1_ps(p[b]);
+        const float *v = vr[b];
+        for (e = 0; e + 8 <= dim; e += 8)
+          _mm256_storeu_ps(out + e, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + e),
+                                                    _mm256_loadu_ps(out + e)));
+        for (; e < dim; e++) out[e] = fmaf(p[b], v[e], out[e]);
+      }
+      l[t] = sum;
+      m[t] = running;
+    }
+  }
+}
 #endif
 
 static void fold_unit(Job *job, int64_t unit) {
@@ -646,7 +756,7 @@ static void fold_unit(Job *job, int64_t unit) {
     fold_tile_avx512(job, kv_head, first);
 #elif defined(__AVX2__) && defined(__FMA__)
   if (rows - first < FEW_ROWS)
-    fold_rows(job, kv_head, first);
+    fold_rows_avx2(job, kv_head, first);
   else
     fold_tile_avx2(job, kv_head, first);
 #else

@@ -39,6 +39,8 @@ SOURCE = Path(__file__).with_name("exact_attention.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
 # The portable build: no AVX-512, so the plain C loops run (the same bits, by construction).
 PORTABLE_FLAGS = [f for f in _FLAGS if f != "-march=native"] + ["-mno-avx512f"]
+# The AVX2 build (x86 CPUs without AVX-512): tests compare it with the portable one anywhere.
+AVX2_FLAGS = [*PORTABLE_FLAGS, "-mavx2", "-mfma"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 __all__ = ["AttentionState", "available", "exact_attention", "usable", "window_of"]

@@ -122,12 +122,15 @@ def test_thread_count_changes_no_bit():
     assert torch.equal(one, many)
 
 
-def test_the_portable_build_gives_the_avx512_builds_bits(tmp_path):
-    """Machines without AVX-512 run the plain C loops: each lane the same operations, so the
-    same bits as the intrinsics this machine runs (checked where both can be built)."""
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_every_build_gives_the_portable_builds_bits(tmp_path, build):
+    """Each build's intrinsics (AVX-512, or AVX2 on CPUs without it) run each lane with the
+    plain C loops' operations, so every build gives the same bits: this machine's own build
+    and an AVX2 build are both compared with the portable one."""
     import platform
 
     from kvchat.engine.kvdirect.exact_attention import (
+        AVX2_FLAGS,
         PORTABLE_FLAGS,
         compile_kernel,
         compiler,
@@ -135,20 +138,26 @@ def test_the_portable_build_gives_the_avx512_builds_bits(tmp_path):
     )
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the portable build's flags are x86 ones")
+        pytest.skip("the builds' flags are x86 ones")
     target = tmp_path / "portable.so"
     assert compile_kernel(compiler(), target, PORTABLE_FLAGS)
     portable = load_kernel(target)
-    for q_len, past, window, dtype in [
-        (1, 900, None, torch.float32),  # a decode step: the few-rows layout
-        (37, 500, None, torch.float32),  # rows in lanes, with a partial tile
-        (200, 300, 64, torch.bfloat16),  # sliding window, bf16 K/V
+    kernel = None
+    if build == "avx2":
+        assert compile_kernel(compiler(), tmp_path / "avx2.so", AVX2_FLAGS)
+        kernel = load_kernel(tmp_path / "avx2.so")
+    for kv_heads, groups, dim, q_len, past, window, dtype in [
+        (3, 3, 64, 1, 900, None, torch.float32),  # a decode step: the few-rows layout
+        (2, 4, 80, 1, 700, 128, torch.bfloat16),  # few rows, a dim tail, a sliding window
+        (1, 2, 40, 3, 300, None, torch.float32),  # few rows over a partial dim block
+        (3, 3, 64, 37, 500, None, torch.float32),  # rows in lanes, with a partial tile
+        (3, 3, 64, 200, 300, 64, torch.bfloat16),  # sliding window, bf16 K/V
     ]:
-        query, key, value = tensors(3, 3, 64, q_len, past, dtype, 11)
+        query, key, value = tensors(kv_heads, groups, dim, q_len, past, dtype, 11)
         n = key.shape[-2]
-        native = AttentionState(query, 0.125, n - q_len, window)
+        built = AttentionState(query, 0.125, n - q_len, window, kernel=kernel)
         plain = AttentionState(query, 0.125, n - q_len, window, kernel=portable)
-        for state in (native, plain):
+        for state in (built, plain):
             state.fold(key[:, :, :100], value[:, :, :100], 0)
             state.fold(key[:, :, 100:], value[:, :, 100:], 100)
-        assert torch.equal(native.finish(), plain.finish()), (q_len, past, window, dtype)
+        assert torch.equal(built.finish(), plain.finish()), (dim, q_len, past, window, dtype)
