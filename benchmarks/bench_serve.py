@@ -18,9 +18,19 @@ cache is warm for the saved files (they were just written). Per repeat the two a
 back to back, the order alternating; ratio = re-prefill / kvchat, median over repeats.
 
 With ``--edit``: the conversation is built to turn ``--turns`` (10) and the request edits
-turn 9's message instead (turns 1..8 as they were, then a new message 9 of the same
-length, ``--edit-lines`` lines): kvchat forks the saved conversation at turn 8, resumes the
-fork from its files and feeds only the new message; re-prefill feeds the whole text.
+turn 9's message instead (turns 1..8 as they were, then a new message 9): kvchat forks the
+saved conversation at turn 8, resumes the fork from its files and feeds only the new
+message; re-prefill feeds the whole text.
+
+Two shapes of conversation (``--shape``):
+
+* ``notes`` (the default without ``--edit``): each user turn pastes ``--lines`` lines of
+  seeded notes (~450 tokens) and the replies are short (``--reply-tokens``, 8). An edited
+  message is as long as the original, so kvchat reads ~450 new tokens against re-prefill's
+  ~4K: the ratio cannot pass history / message (about 9x), whatever the engine does.
+* ``chat`` (the default with ``--edit``): short questions (~25 tokens) and long answers
+  (up to ``--reply-tokens``, 360 there), the way people chat; the edit is another short
+  question (another topic, asked more simply).
 
 The first reply texts are printed too. They can differ (they did in a run here):
 re-prefilling feeds re-tokenized text in other chunks than the turns were fed in, so its
@@ -61,13 +71,41 @@ def notes(turn: int, lines: int, seed: int) -> str:
     return "More warehouse notes.\n" + "\n".join(rows) + "\nSay 'noted'."
 
 
-def build(data_dir: Path, turns: int, lines: int, reply_tokens: int, seed: int) -> list[dict]:
+TOPICS = (
+    "how a lighthouse keeper spent a winter alone",
+    "why bread rises and what yeast does",
+    "the history of the bicycle",
+    "how tides work and why there are two a day",
+    "a fox who learns to fish",
+    "how a city plans its water supply",
+    "the life of a honeybee colony through a year",
+    "how a violin is made",
+    "a journey across a desert by camel",
+    "how volcanoes form islands",
+    "a robot who wants to become a gardener",
+    "why the sky changes colour at sunset",
+)
+
+
+def question(turn: int, seed: int) -> str:
+    """A short request for a long answer (the chat shape)."""
+    topic = random.Random(seed * 1000 + turn).choice(TOPICS)
+    return f"Please write a long and detailed explanation of {topic}, with examples."
+
+
+def user_message(shape: str, turn: int, lines: int, seed: int) -> str:
+    return question(turn, seed) if shape == "chat" else notes(turn, lines, seed)
+
+
+def build(
+    data_dir: Path, turns: int, shape: str, lines: int, reply_tokens: int, seed: int
+) -> list[dict]:
     server = ServerProcess(data_dir).start()
     messages: list[dict] = []
     try:
         client = server.client(timeout=600)
         for turn in range(1, turns + 1):
-            messages.append({"role": "user", "content": notes(turn, lines, seed)})
+            messages.append({"role": "user", "content": user_message(shape, turn, lines, seed)})
             reply = client.chat.completions.create(
                 model=MODEL, messages=messages, max_tokens=reply_tokens
             )
@@ -107,8 +145,20 @@ def first_token(data_dir: Path, messages: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, default=10, help="the timed turn (default 10)")
+    parser.add_argument(
+        "--shape",
+        choices=["notes", "chat"],
+        default=None,
+        help="notes: long pasted turns, short replies; chat: short questions, "
+        "long answers (default: chat with --edit, else notes)",
+    )
     parser.add_argument("--lines", type=int, default=14, help="note lines per user turn")
-    parser.add_argument("--reply-tokens", type=int, default=8)
+    parser.add_argument(
+        "--reply-tokens",
+        type=int,
+        default=None,
+        help="reply cap while building (default 8 for notes, 360 for chat)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="1 repeat")
@@ -116,6 +166,9 @@ def main() -> None:
     parser.add_argument("--edit-lines", type=int, default=None, help="its lines (--lines)")
     parser.add_argument("--out", default=None, help="results/bench_serve[_edit].json")
     args = parser.parse_args()
+    args.shape = args.shape or ("chat" if args.edit else "notes")
+    if args.reply_tokens is None:
+        args.reply_tokens = 360 if args.shape == "chat" else 8
     args.out = args.out or (
         "results/bench_serve_edit.json" if args.edit else "results/bench_serve.json"
     )
@@ -127,14 +180,16 @@ def main() -> None:
         root = Path(tmp)
         built = args.turns if args.edit else args.turns - 1
         harness.say(f"building a {built}-turn conversation")
-        history = build(root / "saved", built, args.lines, args.reply_tokens, args.seed)
+        history = build(root / "saved", built, args.shape, args.lines, args.reply_tokens, args.seed)
         if args.edit:  # turn N-1's message edited: turns 1..N-2 as they were, then the edit
-            edited = notes(args.turns - 1, args.edit_lines or args.lines, args.seed + 1)
+            lines = args.edit_lines or args.lines
+            edited = user_message(args.shape, args.turns - 1, lines, args.seed + 1)
+            if args.shape == "chat":
+                edited = edited.replace("long and detailed", "simple")
             request = history[: 2 * (args.turns - 2)] + [{"role": "user", "content": edited}]
         else:
-            request = history + [
-                {"role": "user", "content": notes(args.turns, args.lines, args.seed)}
-            ]
+            turn = user_message(args.shape, args.turns, args.lines, args.seed)
+            request = history + [{"role": "user", "content": turn}]
 
         def measure(kind: str, r: int) -> dict:
             data = root / f"{kind}-{r}"
@@ -157,7 +212,10 @@ def main() -> None:
     ratio = harness.median([row["ratio"] for row in rows])
     texts = {kind: [run["first_text"] for run in runs[kind]] for kind in runs}
     if args.edit:
-        what = f"turn {args.turns - 1} edited in a {args.turns}-turn, ~{context}-token chat"
+        what = (
+            f"turn {args.turns - 1} edited in a {args.turns}-turn, ~{context}-token chat"
+            f" ({args.shape} shape)"
+        )
         how = f"kvchat serve, forked at turn {args.turns - 2} from its files"
     else:
         what, how = (
@@ -174,6 +232,7 @@ def main() -> None:
     summary = {
         "context_tokens": context,
         "edit": args.edit,
+        "shape": args.shape,
         "request_messages": len(request),
         "median_seconds": median,
         "ratio": ratio,
