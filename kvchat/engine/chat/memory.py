@@ -14,11 +14,9 @@ from kvchat.engine.chat.memory_snapshot import MemorySnapshot
 from kvchat.units import process_rss
 
 if TYPE_CHECKING:
-    from transformers import DynamicCache
-
     from kvchat.engine.chat.settings import CacheSettings
-    from kvchat.engine.kvdirect.cache import KVDirectCache
     from kvchat.engine.kvdirect.footprint import ModelFootprint
+    from kvchat.engine.kvdirect.interface import ConversationCache
     from kvchat.engine.kvdirect.planner import Plan
 
 TOKEN_ID_BYTES = 8
@@ -39,7 +37,7 @@ class AccountedSession(Protocol):
     def loaded(self) -> AccountedModel: ...
 
     @property
-    def cache(self) -> KVDirectCache | DynamicCache: ...
+    def cache(self) -> ConversationCache: ...
 
     @property
     def cache_settings(self) -> CacheSettings: ...
@@ -62,15 +60,6 @@ class AccountedSession(Protocol):
     def disk_bytes(self) -> int: ...
 
 
-def _standard_cache_bytes(cache: DynamicCache) -> int:
-    total = 0
-    for layer in cache.layers:
-        for t in (layer.keys, layer.values):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
-
-
 def _checkpoint_label(session: AccountedSession) -> str | None:
     settings = session.cache_settings
     if settings.kind != "kvdirect":
@@ -81,7 +70,7 @@ def _checkpoint_label(session: AccountedSession) -> str | None:
 
 
 def _forms_label(session: AccountedSession) -> str | None:
-    forms = getattr(session, "forms", None)
+    forms = session.forms
     if not forms:
         return None
     kinds = sorted(set(forms))
@@ -90,50 +79,31 @@ def _forms_label(session: AccountedSession) -> str | None:
     return ", ".join(f"{forms.count(k)} {k}" for k in kinds)
 
 
-def _plan_label(session: AccountedSession) -> str:
-    if session.cache_settings.kind != "kvdirect":
-        return "standard cache"
-    plan = getattr(session, "plan", None)
-    return "all in memory" if plan is None else plan.describe()
-
-
 def snapshot(session: AccountedSession) -> MemorySnapshot:
     """Everything the CLI memory line, ``--json`` and the UI gauge show."""
     cache = session.cache
     n_tokens = cache.get_seq_length()
     settings = session.cache_settings
     token_bytes = len(session.token_ids) * TOKEN_ID_BYTES
-    plan = getattr(session, "plan", None)
-    if settings.kind == "kvdirect":
-        hot = cache.hot_bytes()
-        ckpt = cache.checkpoint_bytes()
-        scratch = cache.stats.scratch_peak_bytes
-        hot_tokens = cache.hot_tokens()
-        recompute = cache.stats.recompute_seconds
-        read_back = cache.stats.read_seconds
-        hot_window = cache.hot_window
-    else:
-        hot = _standard_cache_bytes(cache)
-        ckpt = scratch = 0
-        hot_tokens = n_tokens
-        recompute = read_back = 0.0
-        hot_window = None
+    plan = session.plan
+    held = cache.accounting()
+    hot, ckpt = held.hot_bytes, held.checkpoint_bytes
+    recompute, read_back = held.recompute_seconds, held.read_seconds
     compute = session.compute_seconds
     # State now: what is held plus the last forward call's scratch, all at the same moment
     # (the session-long scratch peak is reported beside it, not added to a later hot window).
-    step_scratch = cache.stats.step_scratch_bytes if settings.kind == "kvdirect" else 0
-    state = hot + ckpt + step_scratch + token_bytes
-    peak = max(state, getattr(session, "state_peak_bytes", 0))
+    state = hot + ckpt + held.step_scratch_bytes + token_bytes
+    peak = max(state, session.state_peak_bytes)
     return MemorySnapshot(
         cache=settings.kind,
         checkpoint=_checkpoint_label(session),
         tokens=n_tokens,
-        hot_tokens=hot_tokens,
-        checkpointed_tokens=max(0, n_tokens - hot_tokens),
-        hot_window=hot_window,
+        hot_tokens=held.hot_tokens,
+        checkpointed_tokens=max(0, n_tokens - held.hot_tokens),
+        hot_window=held.hot_window,
         hot_kv_bytes=hot,
         checkpoint_bytes=ckpt,
-        scratch_peak_bytes=scratch,
+        scratch_peak_bytes=held.scratch_peak_bytes,
         token_id_bytes=token_bytes,
         state_bytes=state,
         state_peak_bytes=peak,
@@ -141,7 +111,7 @@ def snapshot(session: AccountedSession) -> MemorySnapshot:
         ceiling_bytes=settings.max_mem,
         disk_bytes=session.disk_bytes(),
         disk_tier=bool(plan is not None and plan.disk_tier),
-        plan=_plan_label(session),
+        plan=held.plan,
         forms=_forms_label(session),
         streamed_attention=bool(plan is not None and plan.stream_chunk is not None),
         weights_bytes=session.loaded.weights_bytes,

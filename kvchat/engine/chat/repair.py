@@ -135,7 +135,7 @@ def _replay(
     """Feed every turn as it was fed, writing each turn's segment to its staging path;
     returns the undamaged turns that came out equal to their saved file."""
     from kvchat.engine.chat.generate import forward
-    from kvchat.engine.chat.persist import bind_segment, turn_tensors
+    from kvchat.engine.chat.persist import turn_tensors
     from kvchat.engine.models.quantize import inference_context
     from kvchat.storage import segments
 
@@ -167,7 +167,7 @@ def _replay(
                             f"export {cid}` saves its text"
                         )
                     verified.append(turn.index)
-                bind_segment(session.cache, segments.tensor_layout(path), path, since)
+                session.cache.bind_saved(segments.tensor_layout(path), path, since)
                 if on_turn is not None:
                     on_turn(done, len(turns))
     finally:

@@ -20,10 +20,9 @@ from kvchat.engine.models.loaded import LoadedModel
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
-    from kvchat.engine.kvdirect.cache import KVDirectCache
     from kvchat.engine.kvdirect.costs import DeviceCosts
-    from kvchat.engine.kvdirect.planner import Plan, Planner
-    from kvchat.engine.kvdirect.standard import StandardCache
+    from kvchat.engine.kvdirect.interface import ConversationCache
+    from kvchat.engine.kvdirect.planner import Plan
     from kvchat.storage import Conversation
 
 PLAIN_STOP_STRINGS = ("\nUser:", "\nuser:")
@@ -82,7 +81,6 @@ class ChatSession:
         self._rebase = False  # the state was rebuilt from text: save it whole, from 0
         self._cache_broken = False  # a forward call failed half way: rebuild before reuse
         self.spill_root: Path | None = spill_root  # where the disk tier spills (data dir)
-        self.plan: Plan | None = None  # the planner's last plan (kvdirect under a ceiling)
         self.state_peak_bytes = 0  # the most resident state held at once (see memory.py)
         self._build_cache(forms)
 
@@ -90,8 +88,7 @@ class ChatSession:
     def _build_cache(self, forms: list[str] | None = None) -> None:
         """``forms``: per-layer cold forms of a resumed conversation (kept as saved)."""
         settings = self.cache_settings
-        self.planner: Planner | None = None
-        self.cache: KVDirectCache | StandardCache
+        self.cache: ConversationCache
         self.forms: list[str] | None
         if settings.kind == "standard":
             from kvchat.engine.kvdirect.standard import StandardCache
@@ -109,14 +106,13 @@ class ChatSession:
             elif forms is None:
                 forms = choose_forms(self.loaded.footprint, settings.checkpoint, self._costs())
             self.forms = forms
-            self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window)
+            footprint = self.loaded.footprint
+            planner = Planner(footprint, forms, settings.max_mem, settings.prefill_chunk)
+            self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window, planner)
             self.cache.spill_root = self.spill_root
             if settings.max_mem is None:
                 self.cache.hot_reserve = HOT_RESERVE_ROWS
             self.cache.attach()
-            self.planner = Planner(
-                self.loaded.footprint, forms, settings.max_mem, settings.prefill_chunk
-            )
         else:
             raise KvchatError(f"unknown cache kind {settings.kind!r}; use kvdirect or standard")
 
@@ -153,11 +149,12 @@ class ChatSession:
 
     def _before_forward(self, n_new: int) -> None:
         self._note_state_peak()
-        if self.planner is None:
-            self.cache.prepare(n_new)
-            return
-        self.plan = self._plan(self.cache.get_seq_length() + n_new)
-        self.cache.apply_plan(self.plan)
+        self.cache.prepare(n_new)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan the cache follows (None: the standard cache, or nothing planned yet)."""
+        return self.cache.plan
 
     def _release_reserve(self) -> None:
         """The rows decode reserved ahead go back once the reply is done (see
@@ -172,18 +169,6 @@ class ChatSession:
         resident checkpoints, token ids and that call's scratch): the peak the ceiling bounds."""
         now = self.cache.resident_bytes()
         self.state_peak_bytes = max(self.state_peak_bytes, now + 8 * len(self.token_ids))
-
-    def _plan(self, n_tokens: int) -> Plan:
-        """The planner's plan for ``n_tokens``, its hot window capped by --hot-window."""
-        import dataclasses
-
-        plan = self.planner.plan(n_tokens)
-        explicit = self.cache_settings.hot_window
-        if explicit is not None:
-            window = explicit if plan.hot_window is None else min(plan.hot_window, explicit)
-            kv_window = explicit if plan.kv_window is None else min(plan.kv_window, explicit)
-            plan = dataclasses.replace(plan, hot_window=window, kv_window=kv_window)
-        return plan
 
     def _fit_context(self, n_tokens: int, sampling: SamplingSettings) -> SamplingSettings:
         """Refuse a conversation longer than the model's positions (past them a model says
@@ -477,9 +462,6 @@ class ChatSession:
 
         manifest = conversation.manifest
         n_cached = int(state.get("n_cached", 0))
-        if self.planner is not None:
-            self.plan = self._plan(n_cached)
-            self.cache.apply_plan(self.plan)
         restore(self.cache, conversation, n_cached, self.loaded.device)
         self.messages = [dict(m) for m in manifest.messages]
         self.token_ids = list(manifest.token_ids[int(state.get("ids_from", 0)) :])

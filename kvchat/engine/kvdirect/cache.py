@@ -63,16 +63,24 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvchat.engine.kvdirect.attention import route
 from kvchat.engine.kvdirect.disk_tier import DiskRows, RowFile, SpillArea
 from kvchat.engine.kvdirect.planner import READ_CHUNK_ROWS
-from kvchat.engine.kvdirect.state_store import Piece, RowStore, nbytes, sub_rows
+from kvchat.engine.kvdirect.state_store import (
+    MAX_PIECE_ROWS,
+    Piece,
+    RowStore,
+    nbytes,
+    pack_kv,
+    sub_rows,
+    unpack_kv,
+)
 from kvchat.errors import NeedsDiskTierError, StorageError
 from kvchat.threads import rows_threads
 
 if TYPE_CHECKING:
     from kvchat.engine.kvdirect.arch import ArchAdapter
-    from kvchat.engine.kvdirect.planner import Plan
+    from kvchat.engine.kvdirect.interface import CacheAccounting
+    from kvchat.engine.kvdirect.planner import Plan, Planner
 
 CHECKPOINT_FORMS = ("residual", "kv", "auto")
-MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
 # The same for sliding layers, whose pieces go as the window moves past their last row:
 # smaller pieces free their spill space sooner (a file then holds about one window).
 SLIDING_PIECE_ROWS = 32
@@ -99,21 +107,6 @@ def _leads(view: torch.Tensor | None, storage: torch.Tensor) -> bool:
         and view.stride() == storage.stride()
         and view.shape[-2] <= storage.shape[-2]
     )
-
-
-def pack_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """[1, H, M, d] K and V -> token-major rows [1, M, 2 * H * d] (all K heads, then V)."""
-    m = keys.shape[-2]
-    k = keys.transpose(1, 2).reshape(1, m, -1)
-    v = values.transpose(1, 2).reshape(1, m, -1)
-    return torch.cat([k, v], dim=-1)
-
-
-def unpack_kv(rows: torch.Tensor, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of ``pack_kv``: views, no copy."""
-    m = rows.shape[1]
-    both = rows.view(1, m, 2, heads, dim)
-    return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
 
 
 class CacheStats:
@@ -741,11 +734,18 @@ class KVDirectCache(Cache):
         adapter: ArchAdapter,
         forms: list[str],
         hot_window: int | None = None,
+        planner: Planner | None = None,
     ) -> None:
         if len(forms) != adapter.num_layers:
             raise ValueError("one checkpoint form per layer is needed")
         self.adapter = adapter
         self.hot_window = hot_window  # residual-form layers
+        # The planner fits windows and the disk tier under a ceiling before each forward
+        # call (prepare); an explicit hot window caps what it picks. Without one, the
+        # windows stay as given (the lab's studies set them by hand).
+        self.planner = planner
+        self.hot_window_cap = hot_window
+        self.plan: Plan | None = None  # the plan in force
         self.kv_window: int | None = None  # K/V-form layers (set under the disk tier)
         # Rows each growing hot window may hold ahead (see HOT_RESERVE_ROWS). 0 keeps it
         # compact, as under a ceiling, whose planner counts rows as they are.
@@ -921,11 +921,38 @@ class KVDirectCache(Cache):
             self._row_files[key] = RowFile(path)
         return self._row_files[key]
 
-    def apply_plan(self, plan: Plan) -> None:
-        """Take the planner's windows and disk tier, and meet them before the next call."""
+    def prepare(self, n_new: int) -> Plan | None:
+        """Before a forward call of ``n_new`` tokens: plan for the state after it and meet
+        the plan (windows trimmed, rows moved to disk). Raises what the planner refuses
+        (NeedsDiskTierError, nothing fed yet) and a failed move to disk since the last
+        call. Returns the plan in force (None: no planner, the windows as given)."""
+        if self.planner is None:
+            self._raise_spill_error()
+            return None
+        self._apply_plan(self._plan_for(self.get_seq_length() + n_new))
+        return self.plan
+
+    def _plan_for(self, n_tokens: int) -> Plan:
+        """The planner's plan for ``n_tokens``, its hot windows capped by an explicit one."""
+        import dataclasses
+
+        plan = self.planner.plan(n_tokens)
+        cap = self.hot_window_cap
+        if cap is not None:
+            window = cap if plan.hot_window is None else min(plan.hot_window, cap)
+            kv_window = cap if plan.kv_window is None else min(plan.kv_window, cap)
+            plan = dataclasses.replace(plan, hot_window=window, kv_window=kv_window)
+        return plan
+
+    def _raise_spill_error(self) -> None:
         if self.spill_error is not None:
             error, self.spill_error = self.spill_error, None
             raise NeedsDiskTierError(f"{error}; the conversation so far is kept") from error
+
+    def _apply_plan(self, plan: Plan) -> None:
+        """Take a plan's windows and disk tier, and meet them before the next call."""
+        self._raise_spill_error()
+        self.plan = plan
         self.hot_window = plan.hot_window
         self.kv_window = plan.kv_window
         self.checkpoint_budget = plan.checkpoint_budget
@@ -978,6 +1005,29 @@ class KVDirectCache(Cache):
             file.close()
         self._row_files.clear()
 
+    # -- saving and restoring itself (the formats: saved_state.py) -----------------------
+    def state(self, since: int) -> dict[str, Any]:
+        """What the cache gained at positions >= ``since``, as a segment's tensors."""
+        from kvchat.engine.kvdirect.saved_state import kv_direct_state
+
+        return kv_direct_state(self, since)
+
+    def bind_saved(self, layout: dict[str, Any], path: Path, since: int) -> None:
+        """Point the rows a save from ``since`` wrote at the segment ``path`` (tensors at
+        ``layout``): the disk tier reads them from there and never writes them again."""
+        from kvchat.engine.kvdirect.saved_state import kv_direct_bind
+
+        kv_direct_bind(self, layout, path, since)
+
+    def restore(self, segments: list[Any], n_cached: int, device: torch.device) -> None:
+        """Rebuild the state of ``n_cached`` tokens from saved segments (``SavedSegment``s,
+        in turn order): saved rows stay in their files until attention needs them."""
+        from kvchat.engine.kvdirect.saved_state import kv_direct_from_state
+
+        if self.planner is not None:
+            self._apply_plan(self._plan_for(n_cached))
+        kv_direct_from_state(self, segments, n_cached, device)
+
     def __enter__(self) -> KVDirectCache:
         return self.attach()
 
@@ -985,6 +1035,21 @@ class KVDirectCache(Cache):
         self.detach()
 
     # -- accounting ----------------------------------------------------------------------
+    def accounting(self) -> CacheAccounting:
+        from kvchat.engine.kvdirect.interface import CacheAccounting
+
+        return CacheAccounting(
+            hot_bytes=self.hot_bytes(),
+            checkpoint_bytes=self.checkpoint_bytes(),
+            step_scratch_bytes=self.stats.step_scratch_bytes,
+            scratch_peak_bytes=self.stats.scratch_peak_bytes,
+            hot_tokens=self.hot_tokens(),
+            hot_window=self.hot_window,
+            recompute_seconds=self.stats.recompute_seconds,
+            read_seconds=self.stats.read_seconds,
+            plan="all in memory" if self.plan is None else self.plan.describe(),
+        )
+
     def hot_bytes(self) -> int:
         return sum(layer.hot_bytes() for layer in self.layers)
 

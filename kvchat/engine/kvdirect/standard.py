@@ -10,11 +10,16 @@ kind of cache it holds.
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers import DynamicCache
 
 from kvchat.engine.kvdirect.footprint import ModelFootprint
+
+if TYPE_CHECKING:
+    from kvchat.engine.kvdirect.interface import CacheAccounting
 
 
 class StandardCache(DynamicCache):
@@ -23,12 +28,13 @@ class StandardCache(DynamicCache):
         self.footprint = footprint
         self.max_mem = max_mem
         self.hot_reserve = 0
+        self.plan = None  # nothing to plan: every row stays in memory
 
     def prepare(self, n_new: int) -> None:
         """Before a forward call of ``n_new`` tokens: NeedsDiskTierError when the K/V after
         it would pass the ceiling (nothing has been fed yet, so nothing is lost)."""
         if self.max_mem is None:
-            return
+            return None
         from kvchat.errors import NeedsDiskTierError
         from kvchat.units import human_bytes
 
@@ -39,6 +45,7 @@ class StandardCache(DynamicCache):
                 f"the standard cache needs {human_bytes(need)} for {n_after} tokens, over "
                 f"--max-mem {human_bytes(self.max_mem)}; use --cache kvdirect or raise --max-mem"
             )
+        return None
 
     def resident_bytes(self) -> int:
         """Bytes of the K/V tensors held: the whole of this cache's state."""
@@ -49,6 +56,22 @@ class StandardCache(DynamicCache):
                     total += t.numel() * t.element_size()
         return total
 
+    def accounting(self) -> CacheAccounting:
+        """Every row is hot: no checkpoints, no scratch, nothing recomputed or read back."""
+        from kvchat.engine.kvdirect.interface import CacheAccounting
+
+        return CacheAccounting(
+            hot_bytes=self.resident_bytes(),
+            checkpoint_bytes=0,
+            step_scratch_bytes=0,
+            scratch_peak_bytes=0,
+            hot_tokens=self.get_seq_length(),
+            hot_window=None,
+            recompute_seconds=0.0,
+            read_seconds=0.0,
+            plan="standard cache",
+        )
+
     def release_reserve(self) -> bool:
         """Nothing is reserved ahead: False (no memory was given back)."""
         return False
@@ -58,3 +81,19 @@ class StandardCache(DynamicCache):
 
     def close(self) -> None:
         """Nothing is attached to the model: the tensors go with the cache."""
+
+    # -- saving and restoring itself (the formats: saved_state.py) -----------------------
+    def state(self, since: int) -> dict[str, torch.Tensor]:
+        """The K/V rows at positions >= ``since``, as a segment's tensors."""
+        from kvchat.engine.kvdirect.saved_state import standard_state
+
+        return standard_state(self, since)
+
+    def bind_saved(self, layout: dict[str, Any], path: Path, since: int) -> None:
+        """Nothing to re-point: this cache keeps every row in memory."""
+
+    def restore(self, segments: list[Any], n_cached: int, device: torch.device) -> None:
+        """Load the saved K/V rows; ValueError for a conversation holding KV-Direct state."""
+        from kvchat.engine.kvdirect.saved_state import standard_from_state
+
+        standard_from_state(self, segments, n_cached, device)

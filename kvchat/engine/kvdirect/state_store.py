@@ -35,6 +35,24 @@ import xxhash
 from kvchat.engine.kvdirect.disk_tier import DiskRows, SpillArea, read_rows, tensor_view
 from kvchat.errors import StorageError
 
+MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
+
+
+def pack_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[1, H, M, d] K and V -> token-major rows [1, M, 2 * H * d] (all K heads, then V)."""
+    m = keys.shape[-2]
+    k = keys.transpose(1, 2).reshape(1, m, -1)
+    v = values.transpose(1, 2).reshape(1, m, -1)
+    return torch.cat([k, v], dim=-1)
+
+
+def unpack_kv(rows: torch.Tensor, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``pack_kv``: views, no copy."""
+    m = rows.shape[1]
+    both = rows.view(1, m, 2, heads, dim)
+    return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
+
+
 FORMS = ("residual", "kv")
 
 

@@ -13,9 +13,10 @@ import torch
 from transformers import DynamicCache
 
 from kvchat.engine.kvdirect.arch import ArchAdapter
-from kvchat.engine.kvdirect.cache import KVDirectCache, pack_kv, unpack_kv
+from kvchat.engine.kvdirect.cache import KVDirectCache
 from kvchat.engine.kvdirect.footprint import footprint_from_config
 from kvchat.engine.kvdirect.planner import choose_forms
+from kvchat.engine.kvdirect.state_store import pack_kv, unpack_kv
 from kvchat.lab.tiny_models import FAMILIES
 from tests.engine.kvdirect.test_cache_exact import (
     NEW_PER_TURN,

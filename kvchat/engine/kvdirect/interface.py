@@ -1,0 +1,85 @@
+"""The one interface a conversation's cache offers, whichever kind it is.
+
+Two implementations: ``KVDirectCache`` (cache.py: the bounded exact cache) and
+``StandardCache`` (standard.py: transformers' ``DynamicCache`` with its own ceiling check).
+The chat session, persistence and the memory accounting use only these calls, in the
+spirit of mlx-lm's cache interface (state, from_state, nbytes), so no caller asks which
+kind of cache it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvchat.engine.kvdirect.planner import Plan
+    from kvchat.storage.segments import TensorLocation
+
+
+@dataclass(frozen=True)
+class SavedSegment:
+    """One saved turn's segment, as a cache needs it to restore itself: where each tensor
+    sits in the file, the file, and a way to read its tensors whole (older layouts)."""
+
+    layout: dict[str, TensorLocation]
+    path: Path
+    read_tensors: Callable[[], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class CacheAccounting:
+    """What a cache holds right now, from the bytes of its tensors (never a formula)."""
+
+    hot_bytes: int  # K/V held for attention
+    checkpoint_bytes: int  # resident checkpoints (residuals or K/V of cold rows)
+    step_scratch_bytes: int  # read-back scratch of the last forward call
+    scratch_peak_bytes: int  # the most scratch any call needed
+    hot_tokens: int  # tokens whose K/V are held at every full-attention layer
+    hot_window: int | None  # the hot window in force (None: unbounded)
+    recompute_seconds: float  # spent recomputing K/V from residuals
+    read_seconds: float  # spent reading rows back from disk
+    plan: str  # the plan in force, in words
+
+
+class ConversationCache(Protocol):
+    """The calls a chat session makes on its cache."""
+
+    plan: Plan | None  # the plan in force (None: nothing planned, or nothing to plan)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+    def prepare(self, n_new: int) -> Plan | None:
+        """Before a forward call of ``n_new`` tokens: meet the ceiling, or refuse the call
+        (NeedsDiskTierError) before anything is fed."""
+        ...
+
+    def accounting(self) -> CacheAccounting: ...
+
+    def resident_bytes(self) -> int: ...
+
+    def release_reserve(self) -> bool:
+        """Give back rows reserved ahead; True when memory was given back."""
+        ...
+
+    def disk_bytes(self) -> int:
+        """Bytes of spill files (saved segments are the conversation's)."""
+        ...
+
+    def close(self) -> None: ...
+
+    def state(self, since: int) -> dict[str, Any]:
+        """What the cache gained at positions >= ``since``, as a segment's tensors."""
+        ...
+
+    def bind_saved(self, layout: dict[str, Any], path: Path, since: int) -> None:
+        """After a save from ``since`` wrote segment ``path``: read those rows from there."""
+        ...
+
+    def restore(self, segments: list[SavedSegment], n_cached: int, device: torch.device) -> None:
+        """Rebuild the state of ``n_cached`` tokens from saved segments, in turn order."""
+        ...
