@@ -22,6 +22,8 @@ from typing import Any
 import click
 
 from kvchat.commands.terminal import fail
+from kvchat.engine.chat.settings import CacheSettings
+from kvchat.engine.models.settings import ModelSettings
 from kvchat.errors import KvchatError
 
 DEVICES = ["auto", "cpu", "cuda", "mps"]
@@ -79,16 +81,16 @@ def model_options(fn: Callable) -> Callable:
     """Options shared by every command that loads a model."""
     options = [
         click.option("--model", "-m", default=None, help="Alias, HF repo id, model dir or .gguf file (default: smollm2-135m)."),
-        click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
-        click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True, help="auto: the checkpoint's own dtype on CPU (bfloat16 stays bfloat16; float16 runs as float32), bfloat16 on CUDA/MPS."),
-        click.option("--weights", type=click.Choice(["auto", "none", "int8", "int4"]), default="auto", show_default=True, help="auto: int4 on CPU for any safetensors checkpoint or GGUF, else none; none: full precision in --dtype; int8 / int4: weight-only quantized (torch's native CPU kernels)."),
+        click.option("--device", type=click.Choice(DEVICES), default=ModelSettings.device, show_default=True),
+        click.option("--dtype", type=click.Choice(DTYPES), default=ModelSettings.dtype, show_default=True, help="auto: the checkpoint's own dtype on CPU (bfloat16 stays bfloat16; float16 runs as float32), bfloat16 on CUDA/MPS."),
+        click.option("--weights", type=click.Choice(["auto", "none", "int8", "int4"]), default=ModelSettings.weights, show_default=True, help="auto: int4 on CPU for any safetensors checkpoint or GGUF, else none; none: full precision in --dtype; int8 / int4: weight-only quantized (torch's native CPU kernels)."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: physical cores, or OMP_NUM_THREADS)."),
         click.option("--decode-threads", type=click.IntRange(min=1), default=None, help="CPU threads for one-token decode steps (default: 1 for weights up to 192 MiB, where it measured faster, else --threads)."),
-        click.option("--cache", "cache_kind", type=click.Choice(["kvdirect", "standard"]), default="kvdirect", show_default=True, help="KV-Direct, or transformers' own DynamicCache for comparison."),
+        click.option("--cache", "cache_kind", type=click.Choice(["kvdirect", "standard"]), default=CacheSettings.kind, show_default=True, help="KV-Direct, or transformers' own DynamicCache for comparison."),
         click.option("--max-mem", callback=_size, default=None, help="Ceiling on resident conversation state, e.g. 64MB, 512KiB, 1.5GB."),
         click.option("--hot-window", type=click.IntRange(min=0), default=None, help="Tokens whose K/V stay hot (default: derived from --max-mem)."),
-        click.option("--checkpoint", type=click.Choice(["residual", "kv", "auto"]), default="auto", show_default=True, help="What a cold token leaves behind per layer: its residual (recomputed), its K/V (read back), or auto (the cheaper exact form per layer)."),
-        click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True),
+        click.option("--checkpoint", type=click.Choice(["residual", "kv", "auto"]), default=CacheSettings.checkpoint, show_default=True, help="What a cold token leaves behind per layer: its residual (recomputed), its K/V (read back), or auto (the cheaper exact form per layer)."),
+        click.option("--prefill-chunk", type=click.IntRange(min=1), default=CacheSettings.prefill_chunk, show_default=True),
     ]  # fmt: skip
     for option in reversed(options):
         fn = option(fn)

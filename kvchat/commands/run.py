@@ -95,31 +95,17 @@ def branch_for_regenerate(opts: dict[str, Any], say: Any) -> str:
 
 
 def load_from_options(opts: dict[str, Any], quiet: bool = False) -> LoadedModel:
-    from kvchat.engine.models.load import load
-    from kvchat.engine.models.registry import DEFAULT_MODEL
+    from kvchat.engine.chat.settings import EngineOptions
+    from kvchat.engine.models.load import load_with
 
     say = (lambda _m: None) if quiet else note
-    return load(
-        opts["model"] or DEFAULT_MODEL,
-        device=opts["device"],
-        dtype=opts["dtype"],
-        weights=opts["weights"],
-        threads=opts.get("threads"),
-        decode_threads=opts.get("decode_threads"),
-        progress=say,
-    )
+    return load_with(EngineOptions.from_cli(opts).model, progress=say)
 
 
 def cache_settings(opts: dict[str, Any]) -> CacheSettings:
-    from kvchat.engine.chat.settings import CacheSettings
+    from kvchat.engine.chat.settings import EngineOptions
 
-    return CacheSettings(
-        kind=opts["cache_kind"],
-        max_mem=opts["max_mem"],
-        hot_window=opts["hot_window"],
-        checkpoint=opts["checkpoint"],
-        prefill_chunk=opts["prefill_chunk"],
-    )
+    return EngineOptions.from_cli(opts).cache
 
 
 def open_run_session(opts: dict[str, Any]) -> ChatSession:

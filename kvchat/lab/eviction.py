@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from kvchat.engine.chat import prompt
 from kvchat.engine.chat.generate import forward, prefill
 from kvchat.engine.kvdirect.cache import KVDirectCache
 from kvchat.lab.baselines import POLICIES as EVICTION_POLICIES
@@ -296,17 +297,11 @@ def cache_factory(loaded: Any, policy: str, budget: int) -> Callable[[], Any]:
 
 
 def _stop_ids(tokenizer: Any) -> set[int]:
-    from kvchat.engine.chat.session import END_OF_TURN_TOKENS
-
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
-    return ids
+    return prompt.stop_ids(tokenizer, chat_template=True)
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return prompt.tokenize(tokenizer, prompt.render(tokenizer, True, messages))
 
 
 def long_chat(loaded: Any, max_new: int, excerpt: bool = False) -> Workload:
@@ -360,7 +355,7 @@ def multi_turn(loaded: Any, max_new: int) -> Workload:
             {"role": "assistant", "content": sentinel},
             {"role": "user", "content": CONVERSATION[turn]},
         ]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = prompt.render(tok, True, messages)
         after = text.split(sentinel, 1)[1]
         ended = tok.convert_ids_to_tokens(reply[-1]) if reply[-1] in stop else None
         if ended and after.startswith(ended):

@@ -49,11 +49,10 @@ def text_ids(tokenizer: Any, text: str) -> list[int]:
 
 def chat_ids(tokenizer: Any, question: str) -> list[int]:
     """Token ids of a one-message chat, with the generation prompt appended."""
+    from kvchat.engine.chat import prompt
+
     messages = [{"role": "user", "content": question}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    return [int(i) for i in prompt.tokenize(tokenizer, prompt.render(tokenizer, True, messages))]
 
 
 def byte_ids(text: str) -> list[int]:

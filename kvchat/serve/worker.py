@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvchat.engine.chat import prompt
 from kvchat.engine.chat.conversation import open_session
 from kvchat.engine.chat.session import ChatSession
 from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
@@ -55,15 +56,6 @@ class TurnReply:
     turn: int | None = None  # the saved turn this reply is (None: not saved)
 
 
-def context_length(loaded: LoadedModel) -> int | None:
-    config = loaded.model.config
-    for source in (config, getattr(config, "text_config", None)):
-        value = getattr(source, "max_position_embeddings", None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 class EngineWorker:
     def __init__(
         self,
@@ -79,7 +71,7 @@ class EngineWorker:
         self.say = say
         self.redact = Redactor(self.data_dir)
         self.matcher = ConversationMatcher(ConversationStore(self.data_dir), loaded.name)
-        self.context_length = context_length(loaded)
+        self.context_length = prompt.context_length(loaded.model.config)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=MAX_QUEUED)
         self._active: ChatSession | None = None
         self._current: Job | None = None
@@ -274,7 +266,7 @@ class EngineWorker:
         limit = self.context_length
         if limit is None:
             return request.max_tokens or DEFAULT_MAX_TOKENS
-        n_prompt = self._count_prompt_tokens(request)
+        n_prompt = self.count_prompt_tokens(request)
         asked = request.max_tokens if request.max_tokens is not None else 1
         if n_prompt + asked > limit:
             raise RequestError(
@@ -286,17 +278,12 @@ class EngineWorker:
             )
         return request.max_tokens or min(DEFAULT_MAX_TOKENS, limit - n_prompt)
 
-    def _count_prompt_tokens(self, request: ChatRequest) -> int:
-        tokenizer = self.loaded.tokenizer
+    def count_prompt_tokens(self, request: ChatRequest) -> int:
+        """The tokens the conversation's text is, rendered as the session renders it."""
         messages = [m for m in request.messages if m["role"] != "system" or m["content"]]
-        if self.loaded.has_chat_template:
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        else:  # the engine's plain "Role: text" layout, near enough to count with
-            text = "".join(f"{m['role'].title()}: {m['content']}\n" for m in messages)
-            text += "Assistant:"
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        loaded = self.loaded
+        text = prompt.render(loaded.tokenizer, loaded.has_chat_template, messages)
+        return len(prompt.tokenize(loaded.tokenizer, text))
 
     def _close_active(self) -> None:
         if self._active is not None:

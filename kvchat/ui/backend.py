@@ -75,12 +75,14 @@ class LaunchOptions:
 
     @classmethod
     def from_cli(cls, opts: dict[str, Any]) -> LaunchOptions:
+        from kvchat.engine.chat.settings import EngineOptions
         from kvchat.engine.models.registry import DEFAULT_MODEL
 
+        options = EngineOptions.from_cli(opts)
         return cls(
-            model=opts.get("model") or DEFAULT_MODEL,
-            cache_kind=opts.get("cache_kind") or "kvdirect",
-            max_mem=opts.get("max_mem"),
+            model=options.model.model or DEFAULT_MODEL,
+            cache_kind=options.cache.kind,
+            max_mem=options.cache.max_mem,
             system=opts.get("system"),
             conversation_id=opts.get("conversation_id"),
         )

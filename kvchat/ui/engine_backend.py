@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+from kvchat.engine.chat.settings import EngineOptions, SamplingSettings
 from kvchat.engine.models.registry import DEFAULT_MODEL
 from kvchat.errors import KvchatError
 from kvchat.ui.backend import (
@@ -34,26 +34,22 @@ class EngineBackend:
 
     def __init__(self, opts: dict[str, Any]) -> None:
         self.opts = dict(opts)
+        self.options = EngineOptions.from_cli(self.opts)
         self.launch = LaunchOptions.from_cli(self.opts)
         self._loaded: LoadedModel | None = None
         self._session: ChatSession | None = None
 
     # -- model -----------------------------------------------------------------------------
     def load(self, progress: Progress, spec: str | None = None) -> ModelView:
-        from kvchat.engine.models.load import load
+        import dataclasses
+
+        from kvchat.engine.models.load import load_with
 
         if spec:
             self.launch.model = spec
         self.close()
-        loaded = load(
-            self.launch.model,
-            device=self.opts.get("device") or "auto",
-            dtype=self.opts.get("dtype") or "auto",
-            weights=self.opts.get("weights") or "auto",
-            threads=self.opts.get("threads"),
-            decode_threads=self.opts.get("decode_threads"),
-            progress=progress,
-        )
+        settings = dataclasses.replace(self.options.model, model=self.launch.model)
+        loaded = load_with(settings, progress=progress)
         self._loaded = loaded
         progress("starting the conversation")
         self._session = self._new_session(self.launch.system)
@@ -65,23 +61,13 @@ class EngineBackend:
             chat_template=loaded.has_chat_template,
         )
 
-    def _cache_settings(self) -> CacheSettings:
-        o = self.opts
-        return CacheSettings(
-            kind=o.get("cache_kind") or "kvdirect",
-            max_mem=o.get("max_mem"),
-            hot_window=o.get("hot_window"),
-            checkpoint=o.get("checkpoint") or "auto",
-            prefill_chunk=o.get("prefill_chunk") or 256,
-        )
-
     def _new_session(self, system: str | None, conversation_id: str | None = None) -> ChatSession:
         from kvchat.engine.chat.conversation import open_session
 
         return open_session(
             self._loaded,
             data_dir=self.opts.get("data_dir"),
-            cache=self._cache_settings(),
+            cache=self.options.cache,
             system=system or None,
             conversation_id=conversation_id,
             save=not self.opts.get("no_save"),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvchat.engine.chat import prompt
 from kvchat.engine.chat.memory_snapshot import MemorySnapshot
 from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
 from kvchat.engine.models.loaded import LoadedModel
@@ -24,9 +25,6 @@ if TYPE_CHECKING:
     from kvchat.engine.kvdirect.interface import ConversationCache
     from kvchat.engine.kvdirect.planner import Plan
     from kvchat.storage import Conversation
-
-PLAIN_STOP_STRINGS = ("\nUser:", "\nuser:")
-END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 
 
 @dataclass
@@ -171,23 +169,13 @@ class ChatSession:
         self.state_peak_bytes = max(self.state_peak_bytes, now + 8 * len(self.token_ids))
 
     def _fit_context(self, n_tokens: int, sampling: SamplingSettings) -> SamplingSettings:
-        """Refuse a conversation longer than the model's positions (past them a model says
-        garbage); let the reply use only the positions left."""
+        """Refuse a conversation longer than the model's positions; let the reply use only
+        the positions left."""
         import dataclasses
 
-        from kvchat.errors import ContextTooLongError
-
-        limit = getattr(self.loaded.model.config, "max_position_embeddings", None)
-        if not isinstance(limit, int) or limit <= 0:
-            return sampling
-        if n_tokens >= limit:
-            raise ContextTooLongError(
-                f"the conversation would be {n_tokens:,} tokens, but {self.loaded.name} "
-                f"handles at most {limit:,} (max_position_embeddings); shorten the prompt "
-                "or start a new conversation"
-            )
-        room = limit - n_tokens
-        if sampling.max_new_tokens > room:
+        limit = prompt.context_length(self.loaded.model.config)
+        room = prompt.fit_reply(limit, n_tokens, sampling.max_new_tokens, self.loaded.name)
+        if room != sampling.max_new_tokens:
             sampling = dataclasses.replace(sampling, max_new_tokens=room)
         return sampling
 
@@ -197,46 +185,19 @@ class ChatSession:
         return head + self.messages
 
     def _render(self, messages: list[dict[str, str]]) -> str:
-        tok = self.loaded.tokenizer
-        if self.loaded.has_chat_template:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # A base model continues text: the prompt as written, no "User:/Assistant:" wrapper
-        # (which a base model imitates). Later turns continue the text on a new line.
-        bos = tok.bos_token if getattr(tok, "add_bos_token", False) and tok.bos_token else ""
-        text = ""
-        for m in messages:
-            if m["role"] == "system":
-                text += m["content"] + "\n\n"
-            elif m["role"] == "user":
-                text += ("\n" if text and not text.endswith("\n") else "") + m["content"]
-            else:
-                text += " " + m["content"] if m["content"] else ""
-        return bos + text
+        return prompt.render(self.loaded.tokenizer, self.loaded.has_chat_template, messages)
 
     def _tokenize(self, text: str) -> list[int]:
-        return self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return prompt.tokenize(self.loaded.tokenizer, text)
 
     def stop_ids(self) -> set[int]:
         """EOS and end-of-turn ids; computed once (building the vocab dict is not free)."""
         if self._stop_ids is None:
-            self._stop_ids = self._find_stop_ids()
+            loaded = self.loaded
+            self._stop_ids = prompt.stop_ids(
+                loaded.tokenizer, loaded.has_chat_template, loaded.model.generation_config
+            )
         return self._stop_ids
-
-    def _find_stop_ids(self) -> set[int]:
-        tok = self.loaded.tokenizer
-        ids: set[int] = set()
-        for source in (
-            tok.eos_token_id,
-            getattr(self.loaded.model.generation_config, "eos_token_id", None),
-        ):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source:
-                ids.update(source)
-        if self.loaded.has_chat_template:
-            vocab = tok.get_vocab()
-            ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
-        return ids
 
     # -- a turn --------------------------------------------------------------------------
     def send(
@@ -285,7 +246,7 @@ class ChatSession:
         tok = self.loaded.tokenizer
         plain = not self.loaded.has_chat_template
         decoder = IncrementalDecoder(tok)
-        stops = StopStrings(PLAIN_STOP_STRINGS if plain else ())
+        stops = StopStrings(prompt.PLAIN_STOP_STRINGS if plain else ())
 
         def show(text: str) -> bool:
             """Stream ``text`` (minus any stop string); True once a stop string appeared."""
@@ -326,7 +287,7 @@ class ChatSession:
         reply_ids = outcome.tokens
         reply = tok.decode(reply_ids, skip_special_tokens=True)
         if plain:
-            cuts = [reply.find(s) for s in PLAIN_STOP_STRINGS if s in reply]
+            cuts = [reply.find(s) for s in prompt.PLAIN_STOP_STRINGS if s in reply]
             if cuts:
                 reply = reply[: min(cuts)]
         reply = reply.strip() if plain else reply

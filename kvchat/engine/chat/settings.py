@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from kvchat.engine.models.settings import ModelSettings
 
 
 @dataclass
@@ -34,3 +38,31 @@ class CacheSettings:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# The command line's option names for each CacheSettings field, where they differ.
+_CACHE_OPTIONS = {"kind": "cache_kind"}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The model and cache options, built once from the command line and used by run, the
+    app and serve alike; an option that is absent or None takes the default above."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
+
+    @classmethod
+    def from_cli(cls, opts: Mapping[str, Any]) -> EngineOptions:
+        def given(cls_: type, names: dict[str, str]) -> dict[str, Any]:
+            out = {}
+            for f in fields(cls_):
+                value = opts.get(names.get(f.name, f.name))
+                if value is not None:
+                    out[f.name] = value
+            return out
+
+        return cls(
+            model=ModelSettings(**given(ModelSettings, {})),
+            cache=CacheSettings(**given(CacheSettings, _CACHE_OPTIONS)),
+        )

@@ -9,6 +9,7 @@ from kvchat.engine.models.loaded import LoadedModel
 from kvchat.engine.models.messages import Progress, quiet_transformers
 from kvchat.engine.models.quantize import WEIGHT_MODES, auto_weights, weights_nbytes
 from kvchat.engine.models.resolve import ResolvedModel, resolve_model
+from kvchat.engine.models.settings import ModelSettings
 from kvchat.errors import ModelLoadError
 from kvchat.units import error_line
 
@@ -73,6 +74,21 @@ def load(
     loaded.install_attention()
     prepare_decode_step(model)
     return loaded
+
+
+def load_with(settings: ModelSettings, progress: Progress | None = None) -> LoadedModel:
+    """:func:`load` with a front end's model settings (the default model when none is named)."""
+    from kvchat.engine.models.registry import DEFAULT_MODEL
+
+    return load(
+        settings.model or DEFAULT_MODEL,
+        device=settings.device,
+        dtype=settings.dtype,
+        weights=settings.weights,
+        threads=settings.threads,
+        decode_threads=settings.decode_threads,
+        progress=progress,
+    )
 
 
 # Gemma 3 4B/12B/27B checkpoints are image+text models; for chat we load only the language

@@ -1,0 +1,77 @@
+"""What a model is fed for a conversation, where its reply stops, and whether it fits the
+model's positions: one place for the session, the server and the lab.
+
+A chat model gets its own chat template with the generation prompt. A base model (no
+template) continues text: the prompt as written, no "User:/Assistant:" wrapper, which a
+base model would imitate; later turns continue the text on a new line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvchat.errors import ContextTooLongError
+
+PLAIN_STOP_STRINGS = ("\nUser:", "\nuser:")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+
+
+def render(tokenizer: Any, chat_template: bool, messages: list[dict[str, str]]) -> str:
+    """The text a model reads for ``messages`` (the reply's place marked, for a chat)."""
+    if chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    add_bos = getattr(tokenizer, "add_bos_token", False) and tokenizer.bos_token
+    text = ""
+    for m in messages:
+        if m["role"] == "system":
+            text += m["content"] + "\n\n"
+        elif m["role"] == "user":
+            text += ("\n" if text and not text.endswith("\n") else "") + m["content"]
+        else:
+            text += " " + m["content"] if m["content"] else ""
+    return (tokenizer.bos_token if add_bos else "") + text
+
+
+def tokenize(tokenizer: Any, text: str) -> list[int]:
+    """Ids of rendered text (its special tokens are in the text already)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stop_ids(tokenizer: Any, chat_template: bool, generation_config: Any = None) -> set[int]:
+    """EOS (the tokenizer's and the generation config's) and, for a chat model, the
+    end-of-turn tokens its vocabulary has."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    if chat_template:
+        vocab = tokenizer.get_vocab()
+        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    return ids
+
+
+def context_length(config: Any) -> int | None:
+    """The positions a model handles (``max_position_embeddings``, its text config's for a
+    multimodal one); None when the config does not say."""
+    for source in (config, getattr(config, "text_config", None)):
+        value = getattr(source, "max_position_embeddings", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def fit_reply(limit: int | None, n_tokens: int, max_new_tokens: int, model_name: str) -> int:
+    """The reply length that fits after ``n_tokens`` of conversation: ``max_new_tokens``,
+    or what is left of the model's positions. ContextTooLongError when nothing is left (past
+    its positions a model says garbage)."""
+    if limit is None:
+        return max_new_tokens
+    if n_tokens >= limit:
+        raise ContextTooLongError(
+            f"the conversation would be {n_tokens:,} tokens, but {model_name} handles at most "
+            f"{limit:,} (max_position_embeddings); shorten the prompt or start a new "
+            "conversation"
+        )
+    return min(max_new_tokens, limit - n_tokens)
