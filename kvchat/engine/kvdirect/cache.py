@@ -771,7 +771,9 @@ class KVDirectCache(Cache):
         super().__init__(layers=layers)
         self._hooks: list[Any] = []
 
-    # The pre-hook hands each decoder layer's input (h_l) to the matching cache layer.
+    # Residual capture has one way in, note_layer_input: the model's forward reaches it
+    # through a pre-hook on each residual-form decoder layer, a decode step that runs the
+    # layers' work itself (kvchat.engine.models.decode_step) calls it directly.
     def attach(self) -> KVDirectCache:
         if self._hooks:
             return self
@@ -780,14 +782,14 @@ class KVDirectCache(Cache):
             if layer.form != "residual":
                 continue
             self._hooks.append(
-                module.register_forward_pre_hook(_capture_into(layer), with_kwargs=True)
+                module.register_forward_pre_hook(_capture_into(self, idx), with_kwargs=True)
             )
         route(self.adapter.model, self.adapter)
         return self
 
     def note_layer_input(self, layer_idx: int, hidden: torch.Tensor) -> None:
-        """What the attach() pre-hook records, for callers that run a decoder layer's work
-        without calling the module (``kvchat.engine.models.decode_step``)."""
+        """Decoder layer ``layer_idx`` is about to read ``hidden`` (h_l): a residual-form
+        layer keeps it as the checkpoint of this call's rows."""
         if self._hooks:
             layer = self.layers[layer_idx]
             if layer.form == "residual":
@@ -1084,10 +1086,9 @@ def _need(layer: KVDirectLayer) -> int:
     return layer.cumulative_length
 
 
-def _capture_into(layer: KVDirectLayer):
+def _capture_into(cache: KVDirectCache, layer_idx: int):
     def hook(module: Any, args: tuple, kwargs: dict) -> None:
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        layer.pending_residual = hidden
+        cache.note_layer_input(layer_idx, args[0] if args else kwargs.get("hidden_states"))
 
     # A decode step that skips the module calls hands the input over itself
     # (note_layer_input); this marks the hook as one it may skip.
