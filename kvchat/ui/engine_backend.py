@@ -7,6 +7,7 @@ nothing and the window appears before the model starts loading.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,6 @@ class EngineBackend:
 
     # -- model -----------------------------------------------------------------------------
     def load(self, progress: Progress, spec: str | None = None) -> ModelView:
-        import dataclasses
 
         from kvchat.engine.models.load import load_with
 
@@ -67,7 +67,7 @@ class EngineBackend:
         return open_session(
             self._loaded,
             data_dir=self.opts.get("data_dir"),
-            cache=self.options.cache,
+            cache=dataclasses.replace(self.options.cache),  # each session its own
             system=system or None,
             conversation_id=conversation_id,
             save=not self.opts.get("no_save"),

@@ -60,29 +60,24 @@ def note_saved(
     """After a save: the cache binds what it saved to the turn's segment, so the disk tier
     reads those rows from there (and never writes them again). A save whose binding failed
     leaves its rows in the spill files, which are then kept."""
-    cache.bind_saved(
-        conversation.tensor_layout(turn_index), conversation.segment_path(turn_index), since
-    )
+    cache.bind_saved(saved_segment(conversation, turn_index), since)
 
 
 def restore(
     cache: ConversationCache, conversation: Conversation, n_cached: int, device: torch.device
 ) -> None:
-    """Rebuild ``cache`` (on ``device``) from the conversation's segments, in turn order."""
-    cache.restore(saved_segments(conversation), n_cached, device)
+    """Rebuild ``cache`` (on ``device``) from the conversation's segments, in turn order:
+    those from the last rebase turn on, each read only when the cache comes to it."""
+    turns = turns_from_last_rebase(conversation)
+    cache.restore((saved_segment(conversation, t.index) for t in turns), n_cached, device)
 
 
-def saved_segments(conversation: Conversation) -> list[SavedSegment]:
-    """The segments that make up the state (from the last rebase turn on), as a cache
-    restores itself from them."""
-    return [
-        SavedSegment(
-            conversation.tensor_layout(turn.index),
-            conversation.segment_path(turn.index),
-            lambda index=turn.index: conversation.read_turn_tensors(index),
-        )
-        for turn in turns_from_last_rebase(conversation)
-    ]
+def saved_segment(conversation: Conversation, index: int) -> SavedSegment:
+    return SavedSegment(
+        conversation.segment_path(index),
+        lambda: conversation.tensor_layout(index),
+        lambda: conversation.read_turn_tensors(index),
+    )
 
 
 def turns_from_last_rebase(conversation: Conversation) -> list[Turn]:

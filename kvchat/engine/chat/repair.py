@@ -136,6 +136,7 @@ def _replay(
     returns the undamaged turns that came out equal to their saved file."""
     from kvchat.engine.chat.generate import forward
     from kvchat.engine.chat.persist import turn_tensors
+    from kvchat.engine.kvdirect.interface import SavedSegment
     from kvchat.engine.models.quantize import inference_context
     from kvchat.storage import segments
 
@@ -167,7 +168,8 @@ def _replay(
                             f"export {cid}` saves its text"
                         )
                     verified.append(turn.index)
-                session.cache.bind_saved(segments.tensor_layout(path), path, since)
+                written = SavedSegment(path, lambda p=path: segments.tensor_layout(p), dict)
+                session.cache.bind_saved(written, since)
                 if on_turn is not None:
                     on_turn(done, len(turns))
     finally:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,7 +77,7 @@ from kvchat.threads import rows_threads
 
 if TYPE_CHECKING:
     from kvchat.engine.kvdirect.arch import ArchAdapter
-    from kvchat.engine.kvdirect.interface import CacheAccounting
+    from kvchat.engine.kvdirect.interface import CacheAccounting, SavedSegment
     from kvchat.engine.kvdirect.planner import Plan, Planner
 
 CHECKPOINT_FORMS = ("residual", "kv", "auto")
@@ -953,8 +953,8 @@ class KVDirectCache(Cache):
 
     def _apply_plan(self, plan: Plan) -> None:
         """Take a plan's windows and disk tier, and meet them before the next call."""
-        self._raise_spill_error()
         self.plan = plan
+        self._raise_spill_error()
         self.hot_window = plan.hot_window
         self.kv_window = plan.kv_window
         self.checkpoint_budget = plan.checkpoint_budget
@@ -1014,14 +1014,16 @@ class KVDirectCache(Cache):
 
         return kv_direct_state(self, since)
 
-    def bind_saved(self, layout: dict[str, Any], path: Path, since: int) -> None:
-        """Point the rows a save from ``since`` wrote at the segment ``path`` (tensors at
-        ``layout``): the disk tier reads them from there and never writes them again."""
+    def bind_saved(self, segment: SavedSegment, since: int) -> None:
+        """Point the rows a save from ``since`` wrote at ``segment``: the disk tier reads
+        them from there and never writes them again."""
         from kvchat.engine.kvdirect.saved_state import kv_direct_bind
 
-        kv_direct_bind(self, layout, path, since)
+        kv_direct_bind(self, segment.layout, segment.path, since)
 
-    def restore(self, segments: list[Any], n_cached: int, device: torch.device) -> None:
+    def restore(
+        self, segments: Iterable[SavedSegment], n_cached: int, device: torch.device
+    ) -> None:
         """Rebuild the state of ``n_cached`` tokens from saved segments (``SavedSegment``s,
         in turn order): saved rows stay in their files until attention needs them."""
         from kvchat.engine.kvdirect.saved_state import kv_direct_from_state

@@ -9,7 +9,8 @@ kind of cache it holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,14 +22,24 @@ if TYPE_CHECKING:
     from kvchat.storage.segments import TensorLocation
 
 
-@dataclass(frozen=True)
 class SavedSegment:
-    """One saved turn's segment, as a cache needs it to restore itself: where each tensor
-    sits in the file, the file, and a way to read its tensors whole (older layouts)."""
+    """One saved turn's segment, as a cache binds or restores it: the file, where each
+    tensor sits in it (read, and the file verified, only when first asked for), and its
+    tensors read whole (older layouts)."""
 
-    layout: dict[str, TensorLocation]
-    path: Path
-    read_tensors: Callable[[], dict[str, torch.Tensor]]
+    def __init__(
+        self,
+        path: Path,
+        read_layout: Callable[[], dict[str, TensorLocation]],
+        read_tensors: Callable[[], dict[str, torch.Tensor]],
+    ) -> None:
+        self.path = path
+        self._read_layout = read_layout
+        self.read_tensors = read_tensors
+
+    @functools.cached_property
+    def layout(self) -> dict[str, TensorLocation]:
+        return self._read_layout()
 
 
 @dataclass(frozen=True)
@@ -76,10 +87,12 @@ class ConversationCache(Protocol):
         """What the cache gained at positions >= ``since``, as a segment's tensors."""
         ...
 
-    def bind_saved(self, layout: dict[str, Any], path: Path, since: int) -> None:
-        """After a save from ``since`` wrote segment ``path``: read those rows from there."""
+    def bind_saved(self, segment: SavedSegment, since: int) -> None:
+        """After a save from ``since`` wrote ``segment``: read those rows from there."""
         ...
 
-    def restore(self, segments: list[SavedSegment], n_cached: int, device: torch.device) -> None:
+    def restore(
+        self, segments: Iterable[SavedSegment], n_cached: int, device: torch.device
+    ) -> None:
         """Rebuild the state of ``n_cached`` tokens from saved segments, in turn order."""
         ...

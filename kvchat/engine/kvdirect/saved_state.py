@@ -2,7 +2,7 @@
 rows are bound back to the cache, and how a cache is rebuilt from them.
 
 The caches call these through their own methods (``state``, ``bind_saved``,
-``from_state``), so whoever orchestrates a save or a resume never asks which kind of cache
+``restore``), so whoever orchestrates a save or a resume never asks which kind of cache
 it holds. Per turn a segment holds, for every layer, only what that turn added since the
 last save, as the layer's state store reports it (``RowStore.state``):
 
@@ -23,7 +23,7 @@ checkpoints by the same replay, which gives the same bits. Saved pieces keep the
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -154,7 +154,7 @@ def _segment_rows(
 
 
 def kv_direct_from_state(
-    cache: KVDirectCache, segments: list[SavedSegment], n_cached: int, device: torch.device
+    cache: KVDirectCache, segments: Iterable[SavedSegment], n_cached: int, device: torch.device
 ) -> None:
     """Rebuild ``cache`` (on ``device``) from saved segments, in turn order.
 
@@ -264,7 +264,7 @@ def standard_state(cache: StandardCache, since: int) -> dict[str, torch.Tensor]:
 
 
 def standard_from_state(
-    cache: StandardCache, segments: list[SavedSegment], n_cached: int, device: torch.device
+    cache: StandardCache, segments: Iterable[SavedSegment], n_cached: int, device: torch.device
 ) -> None:
     """Load the saved K/V rows turn by turn; ValueError for a conversation that holds
     KV-Direct state (its rows are not all there to load)."""

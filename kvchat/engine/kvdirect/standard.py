@@ -10,7 +10,7 @@ kind of cache it holds.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from kvchat.engine.kvdirect.footprint import ModelFootprint
 
 if TYPE_CHECKING:
-    from kvchat.engine.kvdirect.interface import CacheAccounting
+    from kvchat.engine.kvdirect.interface import CacheAccounting, SavedSegment
 
 
 class StandardCache(DynamicCache):
@@ -89,10 +89,12 @@ class StandardCache(DynamicCache):
 
         return standard_state(self, since)
 
-    def bind_saved(self, layout: dict[str, Any], path: Path, since: int) -> None:
-        """Nothing to re-point: this cache keeps every row in memory."""
+    def bind_saved(self, segment: SavedSegment, since: int) -> None:
+        """Nothing to re-point (the segment is not read): every row stays in memory."""
 
-    def restore(self, segments: list[Any], n_cached: int, device: torch.device) -> None:
+    def restore(
+        self, segments: Iterable[SavedSegment], n_cached: int, device: torch.device
+    ) -> None:
         """Load the saved K/V rows; ValueError for a conversation holding KV-Direct state."""
         from kvchat.engine.kvdirect.saved_state import standard_from_state
 
