@@ -35,6 +35,7 @@ def test_help_is_instant_and_imports_no_torch():
     assert probe.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_inspect_prints_the_per_layer_table():
     out = kvchat("inspect", "smollm2-135m")
     assert out.returncode == 0

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvchat.lab.context import LabContext
 from kvchat.lab.footprint import run
 
@@ -22,6 +24,7 @@ def test_the_headline_is_true_arithmetic_but_per_layer_only_mha_models_save(tmp_
     assert smol["residual_per_layer"] == 576 * 2 and smol["kv_per_layer"] == 2 * 3 * 64 * 2
 
 
+@pytest.mark.slow
 def test_kvchat_verify_writes_json_and_a_markdown_report_with_a_verdict(tmp_path):
     out = tmp_path / "results"
     done = subprocess.run(

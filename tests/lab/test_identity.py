@@ -9,6 +9,9 @@ import pytest
 from kvchat.lab.context import LabContext
 from kvchat.lab.report import write_results
 
+# The experiment behind every test here runs real models for 15-35 s: the whole file is slow.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory):
@@ -32,7 +35,6 @@ def _layers_of(ctx, run) -> int:
     return ctx.load(run["model"], run["dtype"]).model.config.num_hidden_layers
 
 
-@pytest.mark.slow
 def test_recomputed_kv_are_bit_identical(outcome):
     _, section = outcome
     assert section.error is None

@@ -7,6 +7,9 @@ import pytest
 from kvchat.lab.context import LabContext
 from kvchat.lab.report import write_results
 
+# The experiment behind every test here runs real models for 15-35 s: the whole file is slow.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory):
@@ -28,7 +31,6 @@ def _layers_of(ctx, run) -> int:
     return ctx.load(run["model"]).model.config.num_hidden_layers
 
 
-@pytest.mark.slow
 def test_claims_hold(outcome):
     _, section = outcome
     assert section.error is None

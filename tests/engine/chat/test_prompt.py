@@ -53,10 +53,13 @@ def test_the_server_counts_a_prompt_as_the_session_feeds_it(smollm2_loaded, tmp_
         tokenizer = copy.deepcopy(loaded.tokenizer)
         tokenizer.chat_template = None  # as a base model's tokenizer has none
         loaded = dataclasses.replace(loaded, tokenizer=tokenizer)
-    system, history = "Be brief.", [
-        {"role": "user", "content": "Name a river in France."},
-        {"role": "assistant", "content": "The Loire."},
-    ]
+    system, history = (
+        "Be brief.",
+        [
+            {"role": "user", "content": "Name a river in France."},
+            {"role": "assistant", "content": "The Loire."},
+        ],
+    )
     session = ChatSession(loaded, system=system)
     session.seed_history(history)
     result = session.send("And one in Spain?", SamplingSettings(max_new_tokens=1))

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from kvchat.engine.kvdirect import costs as costs_module
@@ -55,6 +56,7 @@ def test_auto_follows_the_costs_not_only_the_bytes():
     assert set(choose_forms(gpt2, "auto", fast_recompute)) == {"residual"}
 
 
+@pytest.mark.slow
 def test_inspect_costs_reports_the_measurement_and_the_choice(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "KVCHAT_CACHE_DIR"}  # it beats XDG
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PATH="/usr/bin:/bin")
