@@ -1,0 +1,107 @@
+"""Attention alone: kvchat's kernel against torch's SDPA on the same tensors.
+
+kvchat sums attention in one order on every path (``engine/kvdirect/exact_attention.c``),
+which is what makes every ceiling, chunking and row count give the same bits; this measures
+what that costs per call, at the shapes of a decode step (one query row) and of a prefill
+chunk (256 rows), for the default model's heads (9 query, 3 K/V heads of 64) and Gemma 3
+4B's (8 query, 4 K/V heads of 256), over 1K and 4K keys, float32. SDPA gets the K/V heads
+repeated for its groups, as transformers hands them over. Both run in this process on the
+same thread count, interleaved; ratio = SDPA's time / the kernel's (above 1: the kernel is
+faster). The line ``kernel build:`` says which code the CPU runs (AVX-512, AVX2 or plain C).
+
+Run from the repository root: ``python benchmarks/bench_attention.py [--repeats 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402,F401  (this checkout's kvchat first on sys.path)
+
+from kvchat.lab import harness  # noqa: E402
+
+SHAPES = {"SmolLM2-135M": (9, 3, 64), "Gemma-3-4B": (8, 4, 256)}
+
+
+def kernel_build() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    if " avx512f" in flags:
+        return "AVX-512"
+    if " avx2" in flags and " fma" in flags:
+        return "AVX2"
+    return "plain C"
+
+
+def timed(fn, calls: int) -> float:
+    fn()  # warm
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - started) / calls
+
+
+def main() -> None:
+    import torch
+
+    from kvchat.engine.kvdirect.exact_attention import available, exact_attention
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="docs/results/bench_attention/run.json")
+    args = parser.parse_args()
+    if not available():
+        sys.exit("kvchat's attention kernel is not built here (no C compiler?): nothing to compare")
+    wall = harness.stopwatch()
+    env = harness.environment(threads=torch.get_num_threads())
+    rows = []
+    print(f"kernel build: {kernel_build()}, {torch.get_num_threads()} threads")
+    print("| shape | query rows | keys | kernel ms | SDPA ms | ratio |")
+    print("|---|---|---|---|---|---|")
+    for name, (heads, kv_heads, dim) in SHAPES.items():
+        for q_len in (1, 256):
+            for n in (1024, 4096):
+                g = torch.Generator().manual_seed(0)
+                query = torch.randn(1, heads, q_len, dim, generator=g)
+                key = torch.randn(1, kv_heads, n, dim, generator=g)
+                value = torch.randn(1, kv_heads, n, dim, generator=g)
+                groups = heads // kv_heads
+                key_rep, value_rep = (t.repeat_interleave(groups, 1) for t in (key, value))
+                mask = torch.ones(q_len, n, dtype=torch.bool).tril(n - q_len)
+                scale = dim**-0.5
+                calls = 20 if q_len == 1 else 3
+                ours = functools.partial(exact_attention, query, key, value, scale)
+                sdpa = functools.partial(
+                    torch.nn.functional.scaled_dot_product_attention,
+                    query, key_rep, value_rep, attn_mask=mask, scale=scale,
+                )  # fmt: skip
+                ours_s, sdpa_s = [], []
+                for r in range(args.repeats):
+                    pair = [(ours, ours_s), (sdpa, sdpa_s)]
+                    for fn, into in pair if r % 2 == 0 else reversed(pair):
+                        into.append(timed(fn, calls))
+                k_ms, s_ms = harness.median(ours_s) * 1e3, harness.median(sdpa_s) * 1e3
+                ratio = harness.median_ratio(sdpa_s, ours_s)
+                rows.append(
+                    {"shape": name, "q_len": q_len, "keys": n, "kernel_ms": k_ms,
+                     "sdpa_ms": s_ms, "ratio": ratio}
+                )  # fmt: skip
+                print(f"| {name} | {q_len} | {n} | {k_ms:.2f} | {s_ms:.2f} | {ratio:.2f} |")
+    fields = {"args": vars(args), "kernel_build": kernel_build(), "rows": rows}
+    harness.save_run(args.out, "bench_attention", fields, env, wall())
+
+
+if __name__ == "__main__":
+    main()
