@@ -545,7 +545,7 @@ static void fold_tile_avx2(const Job *job, int64_t kv_head, int64_t first) {
   const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
   int64_t row0, lanes;
   rows_span(job, kv_head, first, &row0, &lanes);
-  float qt[dim * LANES], acc[dim * LANES], buf[LANES], kr[dim], vr[dim];
+  float qt[dim * LANES], acc[dim * LANES], buf[LANES];
   int64_t pos[LANES], max_pos = INT64_MIN, min_pos = INT64_MAX;
   for (int t = 0; t < LANES; t++) {
     int live = t < lanes;
@@ -564,61 +564,105 @@ static void fold_tile_avx2(const Job *job, int64_t kv_head, int64_t first) {
   Lanes16 l = {_mm256_loadu_ps(buf), _mm256_loadu_ps(buf + 8)};
   const __m256 minus_inf = _mm256_set1_ps(-INFINITY), one = _mm256_set1_ps(1.0f);
   int32_t vis_bits[LANES];
-  for (int64_t j = 0; j < job->n_keys; j++) {
-    const int64_t kp = job->key_pos0 + j;
-    if (kp > max_pos) break; /* keys come in position order: none later is visible */
-    if (window > 0 && kp <= min_pos - window) continue;
-    load_row(job->k, job->dtype, kv_head * job->k_head_stride + j * job->k_row_stride, dim, kr);
-    load_row(job->v, job->dtype, kv_head * job->v_head_stride + j * job->v_row_stride, dim, vr);
-    /* s = (q * scale) . k: PARTS partial sums (element e to sum e % PARTS), then the tree */
-    Lanes16 part[PARTS];
-    for (int i = 0; i < PARTS; i++) part[i].lo = part[i].hi = _mm256_setzero_ps();
-    for (int64_t c = 0; c < dim; c += PARTS) {
-      const int64_t width = dim - c < PARTS ? dim - c : PARTS;
-      for (int64_t i = 0; i < width; i++) {
-        const __m256 ke = _mm256_set1_ps(kr[c + i]);
-        const float *qe = qt + (c + i) * LANES;
-        part[i].lo = _mm256_fmadd_ps(_mm256_loadu_ps(qe), ke, part[i].lo);
-        part[i].hi = _mm256_fmadd_ps(_mm256_loadu_ps(qe + 8), ke, part[i].hi);
+  /* Keys in groups of GROUP: each key's max, weights and rescale are worked out in order,
+   * then one pass over the accumulators applies them key after key (rescale, then add),
+   * the order a key-at-a-time loop takes, with a quarter of the loads and stores. */
+  enum { GROUP = 4 };
+  float kbuf[dim], vbuf[GROUP][dim];
+  const float *vrow[GROUP];
+  int64_t j = 0;
+  int stop = 0;
+  while (j < job->n_keys && !stop) {
+    Lanes16 pg[GROUP], ag[GROUP];
+    int cg[GROUP];
+    int count = 0;
+    for (; count < GROUP && j < job->n_keys; j++) {
+      const int64_t kp = job->key_pos0 + j;
+      if (kp > max_pos) { /* keys come in position order: none later is visible */
+        stop = 1;
+        break;
       }
-    }
-    for (int width = PARTS / 2; width >= 1; width /= 2)
-      for (int i = 0; i < width; i++) {
-        part[i].lo = _mm256_add_ps(part[i].lo, part[i + width].lo);
-        part[i].hi = _mm256_add_ps(part[i].hi, part[i + width].hi);
+      if (window > 0 && kp <= min_pos - window) continue;
+      const int64_t k_at = kv_head * job->k_head_stride + j * job->k_row_stride;
+      const int64_t v_at = kv_head * job->v_head_stride + j * job->v_row_stride;
+      const float *kr;
+      if (job->dtype == 0) {
+        kr = (const float *)job->k + k_at;
+        vrow[count] = (const float *)job->v + v_at;
+      } else {
+        load_row(job->k, job->dtype, k_at, dim, kbuf);
+        load_row(job->v, job->dtype, v_at, dim, vbuf[count]);
+        kr = kbuf;
+        vrow[count] = vbuf[count];
       }
-    for (int t = 0; t < LANES; t++) vis_bits[t] = is_visible(kp, pos[t], window) ? -1 : 0;
-    const __m256 vis_lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)vis_bits));
-    const __m256 vis_hi = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(vis_bits + 8)));
-    Lanes16 s = part[0], mx, p, alpha;
-    mx.lo = _mm256_max_ps(_mm256_blendv_ps(minus_inf, s.lo, vis_lo), m.lo);
-    mx.hi = _mm256_max_ps(_mm256_blendv_ps(minus_inf, s.hi, vis_hi), m.hi);
-    const __m256 ch_lo = _mm256_cmp_ps(mx.lo, m.lo, _CMP_NEQ_UQ);
-    const __m256 ch_hi = _mm256_cmp_ps(mx.hi, m.hi, _CMP_NEQ_UQ);
-    const int changed = _mm256_movemask_ps(ch_lo) | _mm256_movemask_ps(ch_hi);
-    p.lo = _mm256_and_ps(vis_lo, exp_nonpositive8(_mm256_and_ps(vis_lo, _mm256_sub_ps(s.lo, mx.lo))));
-    p.hi = _mm256_and_ps(vis_hi, exp_nonpositive8(_mm256_and_ps(vis_hi, _mm256_sub_ps(s.hi, mx.hi))));
-    if (changed) {
-      alpha.lo = _mm256_blendv_ps(
-          one, exp_nonpositive8(_mm256_and_ps(ch_lo, _mm256_sub_ps(m.lo, mx.lo))), ch_lo);
-      alpha.hi = _mm256_blendv_ps(
-          one, exp_nonpositive8(_mm256_and_ps(ch_hi, _mm256_sub_ps(m.hi, mx.hi))), ch_hi);
-      l.lo = _mm256_mul_ps(l.lo, alpha.lo);
-      l.hi = _mm256_mul_ps(l.hi, alpha.hi);
+      /* s = (q * scale) . k: PARTS partial sums (element e to sum e % PARTS), then the tree.
+       * Four sums at a time run over every element block (each sum's additions in the same
+       * order), so their registers stay live without spilling the other twelve. */
+      Lanes16 part[PARTS];
+      for (int i0 = 0; i0 < PARTS; i0 += 4) {
+        Lanes16 run[4];
+        for (int u = 0; u < 4; u++) run[u].lo = run[u].hi = _mm256_setzero_ps();
+        for (int64_t c = 0; c < dim; c += PARTS) {
+          const int64_t width = dim - c < PARTS ? dim - c : PARTS;
+          for (int u = 0; u < 4; u++) {
+            const int64_t i = i0 + u;
+            if (i >= width) break;
+            const __m256 ke = _mm256_set1_ps(kr[c + i]);
+            const float *qe = qt + (c + i) * LANES;
+            run[u].lo = _mm256_fmadd_ps(_mm256_loadu_ps(qe), ke, run[u].lo);
+            run[u].hi = _mm256_fmadd_ps(_mm256_loadu_ps(qe + 8), ke, run[u].hi);
+          }
+        }
+        for (int u = 0; u < 4; u++) part[i0 + u] = run[u];
+      }
+      for (int width = PARTS / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) {
+          part[i].lo = _mm256_add_ps(part[i].lo, part[i + width].lo);
+          part[i].hi = _mm256_add_ps(part[i].hi, part[i + width].hi);
+        }
+      for (int t = 0; t < LANES; t++) vis_bits[t] = is_visible(kp, pos[t], window) ? -1 : 0;
+      const __m256 vis_lo = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)vis_bits));
+      const __m256 vis_hi =
+          _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(vis_bits + 8)));
+      Lanes16 s = part[0], mx, p, alpha;
+      mx.lo = _mm256_max_ps(_mm256_blendv_ps(minus_inf, s.lo, vis_lo), m.lo);
+      mx.hi = _mm256_max_ps(_mm256_blendv_ps(minus_inf, s.hi, vis_hi), m.hi);
+      const __m256 ch_lo = _mm256_cmp_ps(mx.lo, m.lo, _CMP_NEQ_UQ);
+      const __m256 ch_hi = _mm256_cmp_ps(mx.hi, m.hi, _CMP_NEQ_UQ);
+      const int changed = _mm256_movemask_ps(ch_lo) | _mm256_movemask_ps(ch_hi);
+      p.lo = _mm256_and_ps(vis_lo, exp_nonpositive8(_mm256_and_ps(vis_lo, _mm256_sub_ps(s.lo, mx.lo))));
+      p.hi = _mm256_and_ps(vis_hi, exp_nonpositive8(_mm256_and_ps(vis_hi, _mm256_sub_ps(s.hi, mx.hi))));
+      alpha.lo = alpha.hi = one;
+      if (changed) {
+        alpha.lo = _mm256_blendv_ps(
+            one, exp_nonpositive8(_mm256_and_ps(ch_lo, _mm256_sub_ps(m.lo, mx.lo))), ch_lo);
+        alpha.hi = _mm256_blendv_ps(
+            one, exp_nonpositive8(_mm256_and_ps(ch_hi, _mm256_sub_ps(m.hi, mx.hi))), ch_hi);
+        l.lo = _mm256_mul_ps(l.lo, alpha.lo);
+        l.hi = _mm256_mul_ps(l.hi, alpha.hi);
+      }
+      l.lo = _mm256_add_ps(l.lo, p.lo);
+      l.hi = _mm256_add_ps(l.hi, p.hi);
+      m = mx;
+      pg[count] = p;
+      ag[count] = alpha;
+      cg[count] = changed;
+      count++;
     }
-    l.lo = _mm256_add_ps(l.lo, p.lo);
-    l.hi = _mm256_add_ps(l.hi, p.hi);
-    m = mx;
     for (int64_t e = 0; e < dim; e++) {
       float *a = acc + e * LANES;
       __m256 lo = _mm256_loadu_ps(a), hi = _mm256_loadu_ps(a + 8);
-      if (changed) {
-        lo = _mm256_mul_ps(lo, alpha.lo);
-        hi = _mm256_mul_ps(hi, alpha.hi);
+      for (int g = 0; g < count; g++) {
+        if (cg[g]) {
+          lo = _mm256_mul_ps(lo, ag[g].lo);
+          hi = _mm256_mul_ps(hi, ag[g].hi);
+        }
+        const __m256 ve = _mm256_set1_ps(vrow[g][e]);
+        lo = _mm256_fmadd_ps(pg[g].lo, ve, lo);
+        hi = _mm256_fmadd_ps(pg[g].hi, ve, hi);
       }
-      const __m256 ve = _mm256_set1_ps(vr[e]);
-      _mm256_storeu_ps(a, _mm256_fmadd_ps(p.lo, ve, lo));
-      _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(p.hi, ve, hi));
+      _mm256_storeu_ps(a, lo);
+      _mm256_storeu_ps(a + 8, hi);
     }
   }
   float ms[LANES], ls[LANES];

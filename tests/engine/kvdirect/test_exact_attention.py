@@ -151,6 +151,7 @@ def test_every_build_gives_the_portable_builds_bits(tmp_path, build):
         (2, 4, 80, 1, 700, 128, torch.bfloat16),  # few rows, a dim tail, a sliding window
         (1, 2, 40, 3, 300, None, torch.float32),  # few rows over a partial dim block
         (3, 3, 64, 37, 500, None, torch.float32),  # rows in lanes, with a partial tile
+        (2, 4, 40, 40, 300, None, torch.float32),  # rows in lanes over a partial dim block
         (3, 3, 64, 200, 300, 64, torch.bfloat16),  # sliding window, bf16 K/V
     ]:
         query, key, value = tensors(kv_heads, groups, dim, q_len, past, dtype, 11)
