@@ -164,7 +164,9 @@ def describe_origin(row: ConversationSummary) -> str:
 def export_conversation(conversation_id: str, fmt: str, data_dir: str | None) -> None:
     """``kvchat export``: the messages as Markdown or JSON on stdout."""
     try:
-        click.echo(open_store({"data_dir": data_dir}).export(conversation_id, fmt))
+        from kvchat.commands.export import export_text
+
+        click.echo(export_text(open_store({"data_dir": data_dir}), conversation_id, fmt))
     except KvchatError as exc:
         fail(exc)
 

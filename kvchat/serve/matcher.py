@@ -17,7 +17,6 @@ costs one directory scan.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,12 +93,12 @@ class ConversationMatcher:
         if cached is not None and cached.revision == revision:
             return cached
         try:
-            doc = json.loads(self.store.export(summary.id, "json"))
+            saved = self.store.read(summary.id)
             counts = tuple(self.store.message_counts(summary.id))
         except (KvchatError, ValueError, OSError):
             return None  # deleted or unreadable meanwhile: it cannot be continued anyway
-        system = (doc.get("settings") or {}).get("system")
-        _, messages = message_key(system, doc.get("messages") or [])
+        system = (saved.settings or {}).get("system")
+        _, messages = message_key(system, saved.messages or [])
         entry = _Entry(revision, system, messages, counts)
         self._entries[summary.id] = entry
         return entry
@@ -122,12 +121,12 @@ def history_at(
         if summary.id != conversation or summary.model != model_name or summary.error:
             raise missing
         counts = store.message_counts(conversation)
-        doc = json.loads(store.export(conversation, "json"))
+        saved = store.read(conversation)
     except (KvchatError, ValueError, OSError):
         raise missing from None
     if not 1 <= turn <= len(counts) or counts[turn - 1] is None:
         raise missing
     messages = [
-        {"role": m["role"], "content": m["content"]} for m in doc["messages"][: counts[turn - 1]]
+        {"role": m["role"], "content": m["content"]} for m in saved.messages[: counts[turn - 1]]
     ]
-    return (doc.get("settings") or {}).get("system"), messages
+    return (saved.settings or {}).get("system"), messages

@@ -94,7 +94,7 @@ from kvchat.storage.safe_fs import (
     tree_bytes,
     tree_usage,
 )
-from kvchat.storage.text import escape_json_for_terminal, safe_markdown_text, safe_terminal_text
+from kvchat.storage.text import safe_terminal_text
 
 if TYPE_CHECKING:  # tensors pass through the store by name; torch is imported where used
     import torch
@@ -1190,46 +1190,17 @@ class ConversationStore:
             lock.release()
         return DeleteOutcome(cid, leftover=trash if os.path.lexists(trash) else None)
 
-    def export(self, conv_id: str, fmt: Literal["md", "json"] = "md") -> str:
-        """The conversation's text as Markdown or JSON.
+    def read(self, conv_id: str) -> Manifest:
+        """The conversation as its header and journal hold it (messages, settings, model).
 
-        Needs only the header and journal: no lock (works while the conversation is open
-        elsewhere) and no segments (works when a segment is corrupted — the rescue path that error
-        messages point to).
+        Needs only those two files: no lock (works while the conversation is open elsewhere)
+        and no segments (works when a segment is corrupted — the rescue path that error
+        messages point to, ``kvchat export``).
         """
-        if fmt not in ("md", "json"):
-            raise ValueError(f"export format must be 'md' or 'json', not {fmt!r}")
         cid = self.resolve(conv_id)
         path = self.conversations_dir / cid
         _check_conversation_dir(path, cid)
-        m = _load(path, cid)[0]
-        if fmt == "json":
-            doc = {
-                "id": m.id,
-                "title": m.title,
-                "created": m.created,
-                "updated": m.updated,
-                "model": {"name": m.model.name, "dtype": m.model.dtype},
-                "settings": m.settings,
-                "messages": m.messages,
-            }
-            return escape_json_for_terminal(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
-
-        def one(text: str) -> str:
-            return safe_markdown_text(text, multiline=False)
-
-        lines = [
-            f"# {one(m.title) or 'Untitled conversation'}",
-            "",
-            f"- id: `{m.id}`",
-            f"- model: {one(m.model.name)} ({one(m.model.dtype)})",
-            f"- created: {one(m.created)}",
-            f"- updated: {one(m.updated)}",
-        ]
-        for msg in m.messages:
-            role = one(msg["role"].capitalize())
-            lines += ["", f"## {role}", "", safe_markdown_text(msg["content"].rstrip("\n"))]
-        return "\n".join(lines) + "\n"
+        return _load(path, cid)[0]
 
     # -- housekeeping --------------------------------------------------------------------
 

@@ -204,10 +204,8 @@ class EngineBackend:
 
 def _search_text(store: Any, conv_id: str) -> str:
     """Every message of a conversation, lower-cased, for F4's search (read lock-free)."""
-    import json
-
     try:
-        messages = json.loads(store.export(conv_id, "json"))["messages"]
+        messages = store.read(conv_id).messages
     except (KvchatError, ValueError, KeyError, OSError):
         return ""
     return "\n".join(m.get("content", "") for m in messages).lower()

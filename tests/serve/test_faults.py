@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from kvchat.commands.export import export_text
 from kvchat.storage import ConversationStore
 from tests.serve.server_process import ServerProcess
 
@@ -25,7 +26,7 @@ def server(tmp_path_factory):
 def saved(data_dir, first_prompt: str) -> list[dict]:
     """Conversations in the store that start with this prompt, as exported JSON."""
     store = ConversationStore(data_dir)
-    docs = [json.loads(store.export(row.id, "json")) for row in store.list() if row.turns]
+    docs = [json.loads(export_text(store, row.id, "json")) for row in store.list() if row.turns]
     return [d for d in docs if d["messages"][0]["content"] == first_prompt]
 
 

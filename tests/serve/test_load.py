@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvchat.commands.export import export_text
 from kvchat.storage import ConversationStore
 from tests.serve.server_process import ServerProcess
 
@@ -65,11 +66,11 @@ def test_sequential_and_concurrent_requests(tmp_path):
     assert len(rows) == 1 + CONCURRENT and not any(row.error for row in rows.values())
     assert rows[conversation].turns == SEQUENTIAL
     assert rows[conversation].tokens == last_total
-    saved = json.loads(store.export(conversation, "json"))["messages"]
+    saved = json.loads(export_text(store, conversation, "json"))["messages"]
     assert saved == messages
     assert len({cid for cid, _, _ in results}) == CONCURRENT
     for cid, prompt, reply in results:
-        saved = json.loads(store.export(cid, "json"))["messages"]
+        saved = json.loads(export_text(store, cid, "json"))["messages"]
         assert saved == [
             {"role": "user", "content": prompt},
             {"role": "assistant", "content": reply.choices[0].message.content},

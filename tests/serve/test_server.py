@@ -7,6 +7,7 @@ import json
 import openai
 import pytest
 
+from kvchat.commands.export import export_text
 from kvchat.storage import ConversationStore
 from tests.serve.server_process import ServerProcess
 
@@ -55,7 +56,7 @@ def test_a_reply_then_its_continuation_from_the_same_conversation(server):
 
     listed = {row.id: row for row in ConversationStore(server.data_dir).list()}
     assert listed[conversation].turns == 2
-    exported = json.loads(ConversationStore(server.data_dir).export(conversation, "json"))
+    exported = json.loads(export_text(ConversationStore(server.data_dir), conversation, "json"))
     assert [m["content"] for m in exported["messages"]] == [
         "Name a colour.",
         text,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvchat.commands.export import export_text
 from kvchat.storage import ManifestError
 
 
@@ -14,7 +15,7 @@ def refused_everywhere(store, conv, other, error=ManifestError, file="manifest.j
     assert str(conv.path / file) in message and "\n" not in message
     assert f"kvchat delete {conv.id}" in message
     with pytest.raises(error):
-        store.export(conv.id, "md")
+        export_text(store, conv.id, "md")
     rows = {r.id: r for r in store.list()}
     assert rows[conv.id].error == message
     assert rows[other.id].error is None  # other conversations are unaffected

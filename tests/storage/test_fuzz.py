@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from kvchat.commands.export import export_text
 from kvchat.errors import StorageError
 from kvchat.storage import ConversationStore, SegmentInfo
 from kvchat.storage import segments as seg
@@ -115,8 +116,8 @@ def everything_still_works(store: ConversationStore, bad: str, good: str) -> Non
 
     for action in (
         read_all_turns,
-        lambda: store.export(bad, "md"),
-        lambda: store.export(bad, "json"),
+        lambda: export_text(store, bad, "md"),
+        lambda: export_text(store, bad, "json"),
         lambda: store.check_not_open(bad),
     ):
         one_line_storage_error(action)

@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvchat.commands.export import export_text
 from kvchat.errors import StorageError
 from kvchat.storage import (
     Conversation,
@@ -270,7 +271,7 @@ def test_a_torn_last_record_is_ignored_at_every_byte_and_dropped_at_open(store):
         rows = {r.id: r for r in store.list()}
         assert (rows[conv.id].turns, rows[conv.id].error) == (2, None), tail
         assert rows[other.id].error is None
-        assert len(json.loads(store.export(conv.id, "json"))["messages"]) == 4
+        assert len(json.loads(export_text(store, conv.id, "json"))["messages"]) == 4
         assert path.read_bytes() == whole[:start] + tail  # readers without the lock change nothing
         check_turns(store, conv.id, 2)  # open: the torn record and its segment are gone
         assert path.read_bytes() == whole[:start]
@@ -532,8 +533,8 @@ def test_an_old_conversation_lists_exports_and_opens(old_store):
     (row,) = old_store.list()
     assert (row.id, row.turns, row.tokens, row.error) == (FIXTURE_ID, 2, 9, None)
     assert row.title == "question 1 — ünïcode"
-    assert "answer 2" in old_store.export(FIXTURE_ID, "md")
-    assert len(json.loads(old_store.export(FIXTURE_ID, "json"))["messages"]) == 4
+    assert "answer 2" in export_text(old_store, FIXTURE_ID, "md")
+    assert len(json.loads(export_text(old_store, FIXTURE_ID, "json"))["messages"]) == 4
     with old_store.open(FIXTURE_ID) as conv:
         check_old_turns(conv.manifest)
         assert conv.manifest.engine_state == {

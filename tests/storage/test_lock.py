@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvchat.commands.export import export_text
 from kvchat.storage import ConversationLockedError, ConversationStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +71,7 @@ def test_other_process_holding_the_lock_blocks_open_and_delete(store_and_id):
             with pytest.raises(ConversationLockedError):
                 store.delete(cid)
             assert [r.id for r in store.list()] == [cid]  # listing and export are not blocked
-            assert "hi" in store.export(cid, "md")
+            assert "hi" in export_text(store, cid, "md")
         finally:
             holder.kill()  # as a crash would: the kernel drops the dead holder's flock
             holder.wait(timeout=30)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kvchat.commands.export import export_text
 from kvchat.storage import (
     ConversationStore,
     ManifestError,
@@ -76,7 +77,7 @@ def test_manifest_link_is_refused_everywhere(store, tmp_path, name):
     elsewhere.write_bytes(manifest.read_bytes())  # a perfectly valid file, but a link
     manifest.unlink()
     manifest.symlink_to(elsewhere)
-    for attempt in (lambda: store.open(conv.id), lambda: store.export(conv.id, "md")):
+    for attempt in (lambda: store.open(conv.id), lambda: export_text(store, conv.id, "md")):
         with pytest.raises(ManifestError) as err:
             attempt()
         assert "symbolic link" in str(err.value) and f"kvchat delete {conv.id}" in str(err.value)
@@ -121,8 +122,8 @@ def test_linked_conversation_folder_is_listed_refused_and_deleted_as_a_link(stor
         lambda: store.open(conv.id),
         lambda: store.open(conv.id[:10]),
         lambda: store.check_not_open(conv.id),
-        lambda: store.export(conv.id, "md"),
-        lambda: store.export(conv.id, "json"),
+        lambda: export_text(store, conv.id, "md"),
+        lambda: export_text(store, conv.id, "json"),
     ):
         with pytest.raises(UnsafeFileError) as err:
             attempt()

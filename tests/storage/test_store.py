@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from kvchat.commands.export import export_text
 from kvchat.errors import StorageError
 from kvchat.storage import (
     FORMAT_VERSION,
@@ -276,14 +277,14 @@ def test_list_delete_export(store):
     assert rows[0].title == "x" * 59 + "…"
     assert rows[0].last_used.tzinfo is not None
 
-    md = store.export(first.id[:-1], "md")
+    md = export_text(store, first.id[:-1], "md")
     assert md.startswith("# question 1\n")
     assert "## User\n\nquestion 2\n\n## Assistant\n\nanswer 2\n" in md
-    doc = json.loads(store.export(first.id, "json"))
+    doc = json.loads(export_text(store, first.id, "json"))
     assert doc["id"] == first.id and doc["model"]["name"] == "smollm2-135m"
     assert doc["messages"][-1] == {"role": "assistant", "content": "answer 2"}
     with pytest.raises(ValueError):
-        store.export(first.id, "pdf")
+        export_text(store, first.id, "pdf")
 
     store.delete(first.id)
     assert [r.id for r in store.list()] == [second.id]
@@ -295,7 +296,7 @@ def test_list_delete_export(store):
 def test_export_works_while_open(store):
     with new(store) as conv:
         save_turns(conv, 1)
-        assert "question 1" in store.export(conv.id, "md")
+        assert "question 1" in export_text(store, conv.id, "md")
 
 
 def test_leftovers_of_interrupted_create_and_delete_are_swept(store):
@@ -367,7 +368,7 @@ def test_bit_flipped_segment_is_reported_and_the_rest_still_works(store):
         with pytest.raises(SegmentCorruptedError):
             next(it)
     assert {r.id for r in store.list()} == {conv.id, other.id}
-    assert "answer 3" in store.export(conv.id, "md")
+    assert "answer 3" in export_text(store, conv.id, "md")
     with store.open(other.id) as o:
         o.read_turn_tensors(1)
 
@@ -401,7 +402,7 @@ def test_unreadable_manifest(store, content):
             store.open(bad.id)
         assert str(bad.path / "manifest.json") in one_line(err)
     with pytest.raises(ManifestError):
-        store.export(bad.id, "md")
+        export_text(store, bad.id, "md")
     rows = {r.id: r for r in store.list()}
     assert rows[good.id].error is None
     assert "manifest.json" in rows[bad.id].error

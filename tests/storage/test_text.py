@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from kvchat.commands.export import export_text
 from kvchat.storage import ConversationStore
 from kvchat.storage.text import escape_json_for_terminal, safe_markdown_text, safe_terminal_text
 from tests.storage.test_store import new, turn_tensors
@@ -63,7 +64,7 @@ def hostile_conversation(tmp_path):
 
 def test_markdown_export_is_safe(hostile_conversation):
     store, cid = hostile_conversation
-    md = store.export(cid, "md")
+    md = export_text(store, cid, "md")
     assert not RAW_CONTROL.search(md)
     assert "<iframe" not in md and "&lt;iframe" in md
     assert "\\x1b]0;pwned" in md  # shown, not hidden: the reader sees what the file holds
@@ -74,7 +75,7 @@ def test_markdown_export_is_safe(hostile_conversation):
 
 def test_json_export_is_safe_and_exact(hostile_conversation):
     store, cid = hostile_conversation
-    text = store.export(cid, "json")
+    text = export_text(store, cid, "json")
     assert not RAW_CONTROL.search(text)
     doc = json.loads(text)
     assert doc["messages"][0]["content"] == HOSTILE + " <iframe src=x>"

@@ -5,7 +5,6 @@ The one place the CLI and the UI go through, so both save and resume the same wa
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,7 +101,7 @@ def turn_before_message(store: ConversationStore, conversation_id: str, user_mes
     prompt (saved together after a failed save) or its turn kept no record of its own."""
     cid = store.resolve(conversation_id)
     counts = store.message_counts(cid)
-    messages = json.loads(store.export(cid, "json"))["messages"]
+    messages = store.read(cid).messages
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not 1 <= user_message <= len(users):
         raise KvchatError(

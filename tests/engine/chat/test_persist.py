@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvchat.commands.export import export_text
 from kvchat.engine.chat.conversation import open_session
 from kvchat.engine.chat.session import ChatSession
 from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
@@ -151,7 +152,7 @@ def test_a_corrupted_segment_names_the_file_and_the_store_still_works(smollm2_lo
         )
     store = ConversationStore(tmp_path)
     assert [s.id for s in store.list()] == [conv.id]
-    assert "How are you?" in store.export(conv.id, "md")
+    assert "How are you?" in export_text(store, conv.id, "md")
 
 
 def test_a_failed_save_loses_nothing_and_the_next_turn_catches_up(
