@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from kvchat.engine.chat import prompt
 from kvchat.engine.chat.memory_snapshot import MemorySnapshot
 from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+from kvchat.engine.chat.turn_log import TurnLog
 from kvchat.engine.models.loaded import LoadedModel
 from kvchat.errors import KvchatError
 
@@ -72,11 +73,7 @@ class ChatSession:
         # Makes the conversation at the first save (no empty ones are left behind).
         self._create_conversation: Callable[[], Conversation] | None = None
         self._stop_ids: set[int] | None = None
-        self._saved_upto = 0  # cache positions already in the conversation's files
-        self._unsaved_messages: list[dict[str, str]] = []
-        self._unsaved_ids: list[int] = []
-        self._unsaved_calls: list[int] = []  # rows of each forward call since the last save
-        self._rebase = False  # the state was rebuilt from text: save it whole, from 0
+        self.turn_log = TurnLog()  # what the next save writes
         self._cache_broken = False  # a forward call failed half way: rebuild before reuse
         self.spill_root: Path | None = spill_root  # where the disk tier spills (data dir)
         self.state_peak_bytes = 0  # the most resident state held at once (see memory.py)
@@ -143,7 +140,7 @@ class ChatSession:
         """``before_forward`` for the calls of a turn, which also records their sizes: a
         repair replays them, because the same rows fed in other chunks give other bits."""
         self.before_forward(n_new)
-        self._unsaved_calls.append(n_new)
+        self.turn_log.note_call(n_new)
 
     def _before_forward(self, n_new: int) -> None:
         self._note_state_peak()
@@ -226,8 +223,7 @@ class ChatSession:
                 self._detach_cache()
                 self._build_cache()
                 self.token_ids = []
-                self._unsaved_calls = []
-                self._rebase = True  # the next save replaces the saved state (see save)
+                self.turn_log.restart_from_text()
                 self._cache_broken = False
             new_ids = self._tokenize(full)
         to_feed = (self.token_ids + new_ids)[self.cache.get_seq_length() :]
@@ -296,8 +292,7 @@ class ChatSession:
         # The text the ids stand for: the template's prefix plus the reply as generated,
         # special tokens included (an end-of-turn id renders as its marker).
         self._rendered = full + tok.decode(reply_ids, skip_special_tokens=False)
-        self._unsaved_messages += self.messages[-2:]
-        self._unsaved_ids += new_ids + reply_ids
+        self.turn_log.note_turn(self.messages[-2:], new_ids + reply_ids)
         error = outcome.error
         save_error = None
         if self.conversation is not None or self._create_conversation is not None:
@@ -323,7 +318,7 @@ class ChatSession:
         if self.messages or self.token_ids:
             raise KvchatError("a history can only seed a session that has not spoken yet")
         self.messages = [dict(m) for m in messages]
-        self._unsaved_messages = [dict(m) for m in messages]
+        self.turn_log.seed(messages)
 
     # -- persistence ---------------------------------------------------------------------
     def attach_conversation(self, conversation: Conversation) -> None:
@@ -341,25 +336,26 @@ class ChatSession:
         from kvchat.errors import StorageError
 
         n_cached = self.cache.get_seq_length()
+        log = self.turn_log
         try:
             if self.conversation is None:
                 self.conversation = self._create_conversation()
                 self._create_conversation = None
             # A rebase turn (the template rewrote history, so the state was rebuilt from
             # text) carries the whole state and all token ids; resume starts from it.
-            since = 0 if self._rebase else self._saved_upto
+            since = log.since
             ids_from = self.conversation.manifest.engine_state.get("ids_from", 0)
-            if self._rebase:
+            if log.rebase:
                 ids_from = len(self.conversation.manifest.token_ids)
             self.conversation.append_turn(
-                messages=self._unsaved_messages,
-                token_ids=list(self.token_ids) if self._rebase else self._unsaved_ids,
+                messages=log.messages,
+                token_ids=list(self.token_ids) if log.rebase else log.token_ids,
                 tensors=turn_tensors(self.cache, since),
                 extra={
                     "n_cached": n_cached,
                     "memory": self.memory().to_dict(),
-                    "rebase": self._rebase,
-                    "calls": encode_calls(self._unsaved_calls),
+                    "rebase": log.rebase,
+                    "calls": encode_calls(log.calls),
                 },
                 engine_state={
                     "rendered": self._rendered,
@@ -372,16 +368,13 @@ class ChatSession:
             )
         except StorageError as exc:
             return str(exc)
-        self._saved_upto = n_cached
-        self._unsaved_messages, self._unsaved_ids, self._unsaved_calls = [], [], []
-        self._rebase = False
+        log.saved(n_cached)
         try:
             note_saved(self.cache, self.conversation, len(self.conversation.manifest.turns), since)
         except (KvchatError, OSError) as exc:
             # The turn is saved; only re-pointing checkpoints at it failed, so they stay in
             # the spill files, which are kept.
             return f"turn saved, but its checkpoints stay in the spill files ({exc})"
-        self._unsaved_messages, self._unsaved_ids = [], []
         return None
 
     @classmethod
@@ -427,7 +420,7 @@ class ChatSession:
         self.messages = [dict(m) for m in manifest.messages]
         self.token_ids = list(manifest.token_ids[int(state.get("ids_from", 0)) :])
         self._rendered = state.get("rendered", "")
-        self._saved_upto = n_cached
+        self.turn_log = TurnLog(saved_upto=n_cached)
         self.conversation = conversation
 
     @property
