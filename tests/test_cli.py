@@ -51,6 +51,7 @@ def test_models_lists_aliases():
         assert alias in out.stdout
 
 
+@pytest.mark.slow
 def test_unknown_model_is_one_clear_line(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)}
     out = kvchat("run", "--model", "nobody/no-such-model", "--prompt", "hi", env=env)

@@ -132,6 +132,7 @@ def test_a_call_runs_on_the_count_of_its_rows_and_gives_the_old_count_back() -> 
         apply_threads(before)
 
 
+@pytest.mark.slow
 def test_loading_sets_the_decode_count(smollm2_dir) -> None:
     from kvchat.engine.models.load import load
 

@@ -9,6 +9,9 @@ import pytest
 from kvchat.lab.context import LabContext
 from kvchat.lab.report import write_results
 
+# A real model runs behind every test here (the module fixture): the whole file is slow.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory):

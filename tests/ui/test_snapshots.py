@@ -43,6 +43,7 @@ def test_main_screen(snap_compare, size):
     assert snap_compare(app_for_snapshot(), terminal_size=size, run_before=run_before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_comparison_panel(snap_compare, size):
     async def run_before(pilot) -> None:

@@ -73,6 +73,7 @@ def test_a_build_killed_by_a_signal_leaves_nothing_and_runs_again(private_cache,
 
 
 @pytest.mark.skipif(os.name != "posix", reason="a shell-script compiler")
+@pytest.mark.slow
 def test_a_build_lands_even_when_the_process_that_started_it_has_exited(private_cache, monkeypatch):
     compiler = fake_compiler(private_cache, "slow-cxx", SLOW_COMPILER)
     monkeypatch.setenv("CXX", str(compiler))
