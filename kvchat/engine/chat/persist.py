@@ -19,13 +19,6 @@ from kvchat.engine.kvdirect.interface import SavedSegment
 if TYPE_CHECKING:
     from kvchat.engine.kvdirect.interface import ConversationCache
     from kvchat.storage import Conversation, Turn
-    from kvchat.storage.segments import StreamedTensor
-
-
-def turn_tensors(cache: ConversationCache, since: int) -> dict[str, torch.Tensor | StreamedTensor]:
-    """What the cache gained at positions >= ``since``, for a segment file (rows streamed
-    into it a bounded run at a time, never gathered in memory whole)."""
-    return cache.state(since)
 
 
 def encode_calls(calls: list[int]) -> list[list[int]]:

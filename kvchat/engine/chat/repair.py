@@ -135,7 +135,6 @@ def _replay(
     """Feed every turn as it was fed, writing each turn's segment to its staging path;
     returns the undamaged turns that came out equal to their saved file."""
     from kvchat.engine.chat.generate import forward
-    from kvchat.engine.chat.persist import turn_tensors
     from kvchat.engine.kvdirect.interface import SavedSegment
     from kvchat.engine.models.quantize import inference_context
     from kvchat.storage import segments
@@ -155,9 +154,7 @@ def _replay(
                     )
                     position += rows
                 path = conversation.staging_path(turn.index)
-                staged[turn.index] = segments.write_segment_stream(
-                    path, turn_tensors(session.cache, since)
-                )
+                staged[turn.index] = segments.write_segment_stream(path, session.cache.state(since))
                 if turn.index not in damaged:
                     saved = conversation.segment_path(turn.index)
                     if segments.content_digest(path) != segments.content_digest(saved, cid):

@@ -332,7 +332,7 @@ class ChatSession:
     def save(self) -> str | None:
         """Write what changed since the last save as one turn; returns an error message or
         None. On failure the conversation stays in memory and the next save retries."""
-        from kvchat.engine.chat.persist import encode_calls, note_saved, turn_tensors
+        from kvchat.engine.chat.persist import encode_calls, note_saved
         from kvchat.errors import StorageError
 
         n_cached = self.cache.get_seq_length()
@@ -350,7 +350,7 @@ class ChatSession:
             self.conversation.append_turn(
                 messages=log.messages,
                 token_ids=list(self.token_ids) if log.rebase else log.token_ids,
-                tensors=turn_tensors(self.cache, since),
+                tensors=self.cache.state(since),
                 extra={
                     "n_cached": n_cached,
                     "memory": self.memory().to_dict(),
