@@ -4,10 +4,10 @@ For each context length (``--contexts``, default 2048 and 8192; ``--quick``: 512
 and each hot window B (all tokens, 25 % of the context, 64) and checkpoint form (residual,
 kv, auto), a ``ChatSession(CacheSettings(hot_window=B, checkpoint=form))`` is built, its
 cache prefilled with the context (chunks of 256, as the engine does) and ``--new-tokens``
-greedy tokens decoded with no early stop, by ``kvchat.engine.chat.generate.generate`` with
-``before_forward=session.before_forward`` (how the session drives it). The baseline is a
-``CacheSettings(kind="standard")`` session, i.e. transformers' ``DynamicCache``, driven by the
-same loop in the same run, so the ratios isolate the cache.
+greedy tokens decoded with no early stop, by ``kvchat.engine.chat.generate.generate`` on
+the session's cache (how the session drives it: the cache prepares each call itself). The
+baseline is a ``CacheSettings(kind="standard")`` session, i.e. transformers'
+``DynamicCache``, driven by the same loop in the same run, so the ratios isolate the cache.
 
 Per configuration it reports:
 

@@ -135,9 +135,7 @@ def run_lockstep(loaded: Any, prompt: list[int], new_tokens: int, chunk: int) ->
     nxt: dict[str, int] = {}
     with torch.inference_mode():
         for name, session in sessions.items():
-            logits = prefill(
-                loaded.model, session.cache, prompt, loaded.device, chunk, session.before_forward
-            )
+            logits = prefill(loaded.model, session.cache, prompt, loaded.device, chunk)
             nxt[name] = int(torch.argmax(logits).item())
             session.close()
 

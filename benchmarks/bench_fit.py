@@ -111,7 +111,6 @@ def measure(row: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         settings=SamplingSettings(max_new_tokens=args.new_tokens),
         stop_ids=set(),
         prefill_chunk=256,
-        before_forward=session.before_forward,
         on_token=lambda t: stamps.append(time.perf_counter()) or tokens.append(t),
     )
     mem = session.memory()

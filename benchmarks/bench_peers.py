@@ -114,7 +114,6 @@ def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
         settings=SamplingSettings(max_new_tokens=args.new_tokens),
         stop_ids=set(),
         prefill_chunk=256,
-        before_forward=session.before_forward,
         on_token=lambda _t: stamps.append(time.perf_counter()) and None,
     )
     return common.reply_figures(len(ids), t0, stamps) | {

@@ -99,13 +99,12 @@ def stamped_generate(
     from kvchat.engine.chat.generate import generate
     from kvchat.engine.chat.settings import SamplingSettings
 
-    n_prefill_calls = -(-len(prompt) // chunk)
     calls: list[float] = []
 
-    def before_forward(n_new: int) -> None:
-        if len(calls) == n_prefill_calls and at_decode is not None:
+    def on_token(_token: int) -> None:
+        # Each token is chosen right before its decode forward call: one stamp a step.
+        if not calls and at_decode is not None:
             at_decode()
-        session.before_forward(n_new)
         calls.append(time.perf_counter())
 
     outcome = generate(
@@ -116,10 +115,10 @@ def stamped_generate(
         settings=SamplingSettings(max_new_tokens=new_tokens),
         stop_ids=set(),
         prefill_chunk=chunk,
-        before_forward=before_forward,
+        on_token=on_token,
     )
     assert len(outcome.tokens) == new_tokens, outcome.finish_reason
-    return outcome, harness.intervals(calls[n_prefill_calls:])
+    return outcome, harness.intervals(calls)
 
 
 def session_reply(
@@ -143,7 +142,7 @@ def session_reply(
         return generate(
             loaded.model, session.cache, prompt, device=loaded.device,
             settings=SamplingSettings(max_new_tokens=new_tokens), stop_ids=set(),
-            prefill_chunk=256, before_forward=session.before_forward, on_token=on_token,
+            prefill_chunk=256, on_token=on_token,
         )  # fmt: skip
     finally:
         session.close()
@@ -163,15 +162,15 @@ def decode_rate(loaded: Any, prompt: list[int], new_tokens: int) -> dict[str, An
 def timed_step(loaded: Any, session: Any, token: int) -> tuple[int, float]:
     """Feed ``token`` to ``session``'s cache as the decode loop does: (next greedy token, s).
 
-    The time is one decode step: the forward call (``kvchat.engine.chat.generate.forward``, with
-    the session's ``before_forward``) and the argmax. Call under ``torch.inference_mode``.
+    The time is one decode step: the forward call (``kvchat.engine.chat.generate.forward``,
+    which has the cache prepare for it) and the argmax. Call under ``torch.inference_mode``.
     """
     import torch
 
     from kvchat.engine.chat.generate import forward
 
     t0 = time.perf_counter()
-    logits = forward(loaded.model, session.cache, [token], loaded.device, session.before_forward)
+    logits = forward(loaded.model, session.cache, [token], loaded.device)
     nxt = int(torch.argmax(logits).item())
     return nxt, time.perf_counter() - t0
 

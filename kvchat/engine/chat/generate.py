@@ -1,8 +1,9 @@
 """Chunked prefill and the decode loop, as plain functions over (model, cache).
 
-The cache is any transformers ``Cache``: ``DynamicCache`` for the standard path, a
-``KVDirectCache`` for ours. Before each forward call ``before_forward(n_new)`` lets the
-caller re-plan (the KV-Direct planner shrinks the hot window as the context grows).
+The cache is any transformers ``Cache``. Before each forward call, kvchat's own caches
+(``KVDirectCache``, ``StandardCache``) are asked to ``prepare`` for it: they meet the
+ceiling (the KV-Direct planner shrinks the hot window as the context grows) or refuse the
+call before anything is fed, and log its rows. Nothing calls back into the caller.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import torch
 from kvchat.engine.chat.sampling import make_generator, next_token
 from kvchat.engine.chat.settings import SamplingSettings
 from kvchat.engine.kvdirect.attention import route
+from kvchat.engine.kvdirect.interface import prepare_call
 from kvchat.engine.models.decode_step import decode_step_for
 from kvchat.errors import NeedsDiskTierError
 from kvchat.threads import rows_threads
-
-BeforeForward = Callable[[int], None]
 
 
 @dataclass
@@ -38,18 +38,16 @@ def forward(
     cache: object,
     ids: Sequence[int],
     device: torch.device,
-    before_forward: BeforeForward | None = None,
 ) -> torch.Tensor:
     """One forward call over ``ids``; returns the logits of the last position ([vocab])."""
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
-    return forward_ids(model, cache, input_ids, before_forward)
+    return forward_ids(model, cache, input_ids)
 
 
 def forward_ids(
     model: torch.nn.Module,
     cache: object,
     input_ids: torch.Tensor,
-    before_forward: BeforeForward | None = None,
 ) -> torch.Tensor:
     """:func:`forward` over a ``[1, n]`` id tensor the caller owns (the decode loop reuses
     one for every step instead of building a tensor per token). One-token calls of models
@@ -58,8 +56,7 @@ def forward_ids(
     # Whichever cache the call uses, it sums attention in kvchat's one order (a model
     # loaded by kvchat is routed already; this covers models built elsewhere).
     route(model)
-    if before_forward is not None:
-        before_forward(input_ids.shape[1])
+    prepare_call(cache, input_ids.shape[1])
     rows = input_ids.shape[1]
     step = decode_step_for(model) if rows == 1 and input_ids.shape[0] == 1 else None
     with rows_threads(rows):
@@ -75,7 +72,6 @@ def prefill(
     ids: Sequence[int],
     device: torch.device,
     chunk: int,
-    before_forward: BeforeForward | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> torch.Tensor:
     """Feed ``ids`` in chunks of at most ``chunk`` tokens; logits of the last one.
@@ -84,7 +80,7 @@ def prefill(
         raise ValueError("nothing to prefill")
     logits = None
     for start in range(0, len(ids), chunk):
-        logits = forward(model, cache, ids[start : start + chunk], device, before_forward)
+        logits = forward(model, cache, ids[start : start + chunk], device)
         if on_progress is not None:
             on_progress(min(len(ids), start + chunk), len(ids))
     return logits
@@ -99,7 +95,6 @@ def generate(
     settings: SamplingSettings,
     stop_ids: set[int],
     prefill_chunk: int = 256,
-    before_forward: BeforeForward | None = None,
     on_token: Callable[[int], bool | None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
@@ -119,7 +114,7 @@ def generate(
         t0 = time.perf_counter()
         try:
             logits = prefill(
-                model, cache, prompt_ids, device, prefill_chunk, before_forward, on_progress
+                model, cache, prompt_ids, device, prefill_chunk, on_progress=on_progress
             )
         except NeedsDiskTierError as exc:
             # Raised before a chunk is fed (never inside a forward call): what was fed stays
@@ -148,7 +143,7 @@ def generate(
                 break
             try:
                 step_ids.fill_(token)
-                logits = forward_ids(model, cache, step_ids, before_forward)
+                logits = forward_ids(model, cache, step_ids)
             except NeedsDiskTierError as exc:
                 # The ceiling is reached mid-reply: end the reply here, keep what was said.
                 outcome.finish_reason = "ceiling"

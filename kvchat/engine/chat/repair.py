@@ -149,9 +149,7 @@ def _replay(
                 since = position
                 for rows in sizes:
                     chunk = ids[position : position + rows]
-                    forward(
-                        loaded.model, session.cache, chunk, loaded.device, session.before_forward
-                    )
+                    forward(loaded.model, session.cache, chunk, loaded.device)
                     position += rows
                 path = conversation.staging_path(turn.index)
                 staged[turn.index] = segments.write_segment_stream(path, session.cache.state(since))

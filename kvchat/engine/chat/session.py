@@ -76,7 +76,7 @@ class ChatSession:
         self.turn_log = TurnLog()  # what the next save writes
         self._cache_broken = False  # a forward call failed half way: rebuild before reuse
         self.spill_root: Path | None = spill_root  # where the disk tier spills (data dir)
-        self.state_peak_bytes = 0  # the most resident state held at once (see memory.py)
+        self._state_peak_bytes = 0  # the most resident state held at once (see memory.py)
         self._build_cache(forms)
 
     # -- cache ---------------------------------------------------------------------------
@@ -131,20 +131,13 @@ class ChatSession:
         if self.conversation is not None:
             self.conversation.close()
 
-    def before_forward(self, n_new: int) -> None:
-        """Plan for ``n_new`` more tokens and meet the plan (what every forward call of a
-        session runs first; benchmarks that drive the model directly call it too)."""
-        self._before_forward(n_new)
-
-    def _before_call(self, n_new: int) -> None:
-        """``before_forward`` for the calls of a turn, which also records their sizes: a
-        repair replays them, because the same rows fed in other chunks give other bits."""
-        self.before_forward(n_new)
-        self.turn_log.note_call(n_new)
-
-    def _before_forward(self, n_new: int) -> None:
-        self._note_state_peak()
+    def _prepare(self, n_new: int) -> None:
+        """Before a turn feeds anything: the cache plans for its ``n_new`` tokens, or
+        refuses them (nothing is fed). The turn's forward calls then prepare themselves."""
+        earlier = self.cache.take_calls().peak_resident_bytes  # calls made outside a turn
+        self._note_state_peak(max(earlier, self.cache.resident_bytes()))
         self.cache.prepare(n_new)
+        self.cache.take_calls()  # a check, not a call: the turn's calls are logged anew
 
     @property
     def plan(self) -> Plan | None:
@@ -159,11 +152,18 @@ class ChatSession:
 
             return_freed_memory()
 
-    def _note_state_peak(self) -> None:
-        """Resident state as the last forward call left it, held all at once (hot K/V,
-        resident checkpoints, token ids and that call's scratch): the peak the ceiling bounds."""
-        now = self.cache.resident_bytes()
-        self.state_peak_bytes = max(self.state_peak_bytes, now + 8 * len(self.token_ids))
+    def _note_state_peak(self, resident_bytes: int) -> None:
+        """Resident state as a forward call found it, held all at once (hot K/V, resident
+        checkpoints, token ids and the last call's scratch): the peak the ceiling bounds."""
+        now = resident_bytes + 8 * len(self.token_ids)
+        self._state_peak_bytes = max(self._state_peak_bytes, now)
+
+    @property
+    def state_peak_bytes(self) -> int:
+        """The most resident state held at once, the calls since the last turn included
+        (a benchmark may drive ``generate`` on this session's cache directly)."""
+        pending = self.cache.calls.peak_resident_bytes
+        return max(self._state_peak_bytes, pending + 8 * len(self.token_ids) if pending else 0)
 
     def _fit_context(self, n_tokens: int, sampling: SamplingSettings) -> SamplingSettings:
         """Refuse a conversation longer than the model's positions; let the reply use only
@@ -229,7 +229,7 @@ class ChatSession:
         to_feed = (self.token_ids + new_ids)[self.cache.get_seq_length() :]
         try:
             sampling = self._fit_context(len(self.token_ids) + len(new_ids), sampling)
-            self.before_forward(len(to_feed))  # refuse a prompt that cannot fit, feed nothing
+            self._prepare(len(to_feed))  # refuse a prompt that cannot fit, feed nothing
             prefill_chunk = self.cache_settings.prefill_chunk
         except KvchatError:
             self.messages.pop()
@@ -264,7 +264,6 @@ class ChatSession:
                 settings=sampling,
                 stop_ids=self.stop_ids(),
                 prefill_chunk=prefill_chunk,
-                before_forward=self._before_call,
                 on_token=on_token,
                 should_stop=should_stop,
                 on_progress=on_progress,
@@ -274,6 +273,10 @@ class ChatSession:
             # the next turn rebuilds the state from the text instead of trusting it.
             self._cache_broken = True
             raise
+        finally:
+            calls = self.cache.take_calls()
+            self._note_state_peak(calls.peak_resident_bytes)
+            self.turn_log.calls += calls.rows
         self._compute_seconds += time.perf_counter() - start
         self._release_reserve()
         show(decoder.flush())  # a reply cut by length may end inside a held-back tail

@@ -21,9 +21,6 @@ class TurnLog:
     calls: list[int] = field(default_factory=list)  # rows of each forward call
     rebase: bool = False  # the state was rebuilt from text: the next save writes it whole
 
-    def note_call(self, rows: int) -> None:
-        self.calls.append(rows)
-
     def note_turn(self, messages: list[dict[str, Any]], token_ids: list[int]) -> None:
         self.messages += messages
         self.token_ids += token_ids

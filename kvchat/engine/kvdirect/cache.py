@@ -50,8 +50,6 @@ none of its rows can be seen again.
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -61,8 +59,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvchat.engine.kvdirect.attention import route
+from kvchat.engine.kvdirect.cold_reader import ColdReader
 from kvchat.engine.kvdirect.disk_tier import DiskRows, RowFile, SpillArea
+from kvchat.engine.kvdirect.interface import CallLog
 from kvchat.engine.kvdirect.planner import READ_CHUNK_ROWS
+from kvchat.engine.kvdirect.scratch import ScratchBuffers
 from kvchat.engine.kvdirect.state_store import (
     MAX_PIECE_ROWS,
     Piece,
@@ -70,10 +71,8 @@ from kvchat.engine.kvdirect.state_store import (
     nbytes,
     pack_kv,
     sub_rows,
-    unpack_kv,
 )
 from kvchat.errors import NeedsDiskTierError, StorageError
-from kvchat.threads import rows_threads
 
 if TYPE_CHECKING:
     from kvchat.engine.kvdirect.arch import ArchAdapter
@@ -88,6 +87,24 @@ SLIDING_PIECE_ROWS = 32
 # ever leaves): a decode step then copies one row instead of concatenating the whole window
 # into a fresh tensor, at every layer.
 HOT_RESERVE_ROWS = 64
+
+
+def _rows(
+    spans: list[tuple[torch.Tensor, torch.Tensor]], start: int, stop: int
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Rows ``[start, stop)`` of the K/V in ``spans`` laid end to end, and whether they are
+    a view (they lie in one span) rather than a new tensor (joined across spans)."""
+    keys, values = [], []
+    offset = 0
+    for k, v in spans:
+        lo, hi = max(start - offset, 0), min(stop - offset, k.shape[-2])
+        if lo < hi or (not keys and offset + k.shape[-2] >= stop):
+            keys.append(k[..., lo:hi, :])
+            values.append(v[..., lo:hi, :])
+        offset += k.shape[-2]
+    if len(keys) == 1:
+        return keys[0], values[0], True
+    return torch.cat(keys, dim=-2), torch.cat(values, dim=-2), False
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -153,6 +170,7 @@ class KVDirectLayer(CacheLayerMixin):
             layer_idx, max_piece_rows=SLIDING_PIECE_ROWS if self.is_sliding else MAX_PIECE_ROWS
         )
         self.kv_heads, self.head_dim = owner.adapter.kv_shape(layer_idx)
+        self.cold = ColdReader(self)  # reads the store's rows back as K/V
         self.pending_residual: torch.Tensor | None = None
         # Cold positions [begin, end) left for the streamed attention to fetch (disk tier).
         self.pending_cold: tuple[int, int] | None = None
@@ -248,7 +266,7 @@ class KVDirectLayer(CacheLayerMixin):
                 self.pending_cold = (visible_from, hot_from)
                 set_pending_stream(self)
             else:
-                in_place = self._in_place_pieces(visible_from, hot_from, key_states)
+                in_place = self.cold.in_place_pieces(visible_from, hot_from, key_states)
                 cold = (
                     [] if in_place else self.iter_cold_kv(visible_from, hot_from, READ_CHUNK_ROWS)
                 )
@@ -262,20 +280,20 @@ class KVDirectLayer(CacheLayerMixin):
             return self.keys, self.values
         hot_k, hot_v = self.keys[..., skip:, :], self.values[..., skip:, :]
         if in_place:
-            full_k, full_v = self._token_major(
+            full_k, full_v = self.cold.token_major(
                 in_place, visible_from, hot_from, [(hot_k, hot_v), (key_states, value_states)]
             )
         elif parts_k:
             # Into buffers reused by every layer and step: attention reads them before the
             # next layer's update refills them, and the hot window is copied out below.
-            full_k = self.owner.kv_buffer("k", [*parts_k, hot_k, key_states])
-            full_v = self.owner.kv_buffer("v", [*parts_v, hot_v, value_states])
+            full_k = self.owner.scratch.kv_buffer("k", [*parts_k, hot_k, key_states])
+            full_v = self.owner.scratch.kv_buffer("v", [*parts_v, hot_v, value_states])
         else:
             full_k = torch.cat([hot_k, key_states], dim=-2)
             full_v = torch.cat([hot_v, value_states], dim=-2)
         if in_place:
             # This layer's buffer, and the next layer's being read meanwhile.
-            self.owner.stats.note_scratch(self.owner.rows_buffers_bytes())
+            self.owner.stats.note_scratch(self.owner.scratch.rows_buffers_bytes())
         elif parts_k:
             held = {
                 t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -292,9 +310,9 @@ class KVDirectLayer(CacheLayerMixin):
             # DynamicLayer (a second concatenation cost ~10% of decode time at 2K-8K).
             self.keys, self.values = full_k, full_v
         elif self.owner.stream_chunk is None:
-            self._retain_from(full_k, full_v, visible_from, hot_from)
+            self._retain([(full_k, full_v)], visible_from, hot_from)
         else:
-            self._retain(hot_k, hot_v, key_states, value_states, hot_from + skip)
+            self._retain([(hot_k, hot_v), (key_states, value_states)], hot_from + skip, hot_from)
         self.keep_under_budget()
         return full_k, full_v
 
@@ -363,70 +381,33 @@ class KVDirectLayer(CacheLayerMixin):
             needed = min(needed, self.pending_cold[0])
         return max(0, needed)
 
-    def _retain_from(
-        self, full_k: torch.Tensor, full_v: torch.Tensor, first: int, hot_from: int
+    def _retain(
+        self,
+        spans: list[tuple[torch.Tensor, torch.Tensor]],
+        first: int,
+        hot_from: int,
     ) -> None:
-        """Keep the last ``keep_hot()`` tokens of ``full_k`` (positions from ``first``, all
-        of them visible; hot before this call from ``hot_from``): slices of what attention
-        gets, so no second concatenation."""
-        keep = min(self.keep_hot(), full_k.shape[-2])
+        """Keep the last ``keep_hot()`` of the rows in ``spans`` (consecutive positions from
+        ``first`` up to the cache's end; hot before this call from ``hot_from``) as the hot
+        window, and write out the K/V-form rows that leave it and are still needed. Spans
+        are what attention got (one tensor), or the hot window and the new rows when cold
+        K/V is streamed (two, so they are not concatenated whole)."""
+        n = sum(k.shape[-2] for k, _ in spans)
+        keep = max(0, min(self.keep_hot(), n))
         end = self.cumulative_length
         if self.form == "kv":
             lo = max(first, hot_from, self._needed_from())
             if lo < end - keep:
-                self._write_out(
-                    full_k[..., lo - first : end - keep - first, :],
-                    full_v[..., lo - first : end - keep - first, :],
-                    lo,
-                )
-        n = full_k.shape[-2]
-        self.keys = full_k[..., n - keep :, :].clone()
-        self.values = full_v[..., n - keep :, :].clone()
-        if self.is_sliding:
-            self.store.drop_before(self._needed_from())
-        self._forget_saved_below(self.hot_from)
-
-    def _retain(
-        self,
-        hot_k: torch.Tensor,
-        hot_v: torch.Tensor,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        first: int,
-    ) -> None:
-        """Keep the last ``keep_hot()`` tokens of [hot, new] (``first``: hot_k's position)."""
-        keep = self.keep_hot()
-        new_len = key_states.shape[-2]
-        end = self.cumulative_length
-        if self.form == "kv":
-            lo = max(first, self._needed_from())
-            leaving_to = end - keep
-            if lo < leaving_to:
-                both_k = torch.cat([hot_k, key_states], dim=-2)
-                both_v = torch.cat([hot_v, value_states], dim=-2)
-                leaving = (
-                    both_k[..., lo - first : leaving_to - first, :],
-                    both_v[..., lo - first : leaving_to - first, :],
-                    lo,
-                )
+                k, v, view = _rows(spans, lo - first, end - keep - first)
                 if self.pending_cold is not None and self.is_sliding:
-                    self.pending_write = leaving
+                    # Streamed attention still reads this layer's cold rows: write after,
+                    # from rows of their own.
+                    self.pending_write = (k.clone(), v.clone(), lo) if view else (k, v, lo)
                 else:
-                    self._write_out(*leaving)
-        if keep <= 0:
-            self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
-            self.values = value_states.new_empty(
-                (*value_states.shape[:2], 0, value_states.shape[-1])
-            )
-        elif keep <= new_len:
-            self.keys = _compact(key_states[..., new_len - keep :, :])
-            self.values = _compact(value_states[..., new_len - keep :, :])
-        else:
-            old_keep = min(keep - new_len, hot_k.shape[-2])
-            self.keys = torch.cat([hot_k[..., hot_k.shape[-2] - old_keep :, :], key_states], dim=-2)
-            self.values = torch.cat(
-                [hot_v[..., hot_v.shape[-2] - old_keep :, :], value_states], dim=-2
-            )
+                    self._write_out(k, v, lo)
+        k, v, view = _rows(spans, n - keep, n)
+        # A view may be of a buffer every layer reuses, or pin a whole chunk: copy it.
+        self.keys, self.values = (k.clone(), v.clone()) if view else (k, v)
         if self.is_sliding:
             # A piece may go once no row of it can be seen again by a later query.
             self.store.drop_before(self._needed_from())
@@ -496,195 +477,14 @@ class KVDirectLayer(CacheLayerMixin):
 
     # -- reading cold rows ---------------------------------------------------------------
     def cold_kv(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of positions [begin, end) from the store: residual pieces replayed call by
-        call (see module docstring), K/V pieces read as they are."""
-        pieces = list(self.iter_cold_kv(begin, end, READ_CHUNK_ROWS))
-        cold_k = torch.cat([k for k, _ in pieces], dim=-2)
-        cold_v = torch.cat([v for _, v in pieces], dim=-2)
-        return cold_k, cold_v
+        """K/V of positions [begin, end) from the store, joined (see ``ColdReader``)."""
+        return self.cold.kv(begin, end)
 
     def iter_cold_kv(
         self, begin: int, end: int, chunk_rows: int | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """K/V of positions [begin, end) in order, a bounded run of pieces at a time.
-
-        Each run holds whole pieces (a residual piece is replayed with its original row
-        count, which is what keeps the recomputed K/V bit-identical) and at most
-        ``chunk_rows`` rows unless a single piece is longer. Under streamed attention a
-        longer K/V piece is read in ``chunk_rows`` parts; a longer residual piece is still
-        replayed whole (one forward call's rows), since projecting it in parts would change
-        its K/V in the last bits.
-        """
-        pieces = self.store.pieces_in(begin, end)
-        streamed = chunk_rows is not None and self.owner.stream_chunk is not None
-        stats = self.owner.stats
-        device = getattr(self, "device", None) or "cpu"
-        if pieces and all(p.form == "kv" for p in pieces):
-            if streamed:
-                yield from self._kv_windows(pieces, device, begin, end, chunk_rows)
-                return
-            chunk_rows = None  # K/V rows: one read per run of adjacent pieces, no replay
-            scratch = self.owner.read_buffer
-        else:
-            scratch = None
-        i = 0
-        while i < len(pieces):
-            j, rows = i + 1, pieces[i].rows
-            while (
-                chunk_rows is not None and j < len(pieces) and rows + pieces[j].rows <= chunk_rows
-            ):
-                rows += pieces[j].rows
-                j += 1
-            if chunk_rows is None:
-                j = len(pieces)
-            run = pieces[i:j]
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                if streamed and len(run) == 1 and run[0].rows > chunk_rows and run[0].form == "kv":
-                    out = self._in_parts(run[0], device, begin, end, chunk_rows)
-                else:
-                    out = self._to_kv(run, self.store.load(run, device, scratch), begin, end)
-                stats.disk_read_bytes += self.store.read_bytes(run)
-            if any(p.form == "residual" for p in run):
-                stats.recompute_seconds += time.perf_counter() - t0
-                stats.recomputed_tokens += sum(k.shape[-2] for k, _ in out)
-            else:
-                stats.read_seconds += time.perf_counter() - t0
-            yield from out
-            i = j
-
-    def _in_place_pieces(self, begin: int, end: int, key_states: torch.Tensor) -> list[Piece]:
-        """The pieces of cold rows [begin, end) if they can be read straight into
-        attention's buffer (all K/V rows of the model's dtype, on CPU; see
-        ``_token_major``), else none."""
-        if key_states.device.type != "cpu":
-            return []
-        pieces = self.store.pieces_in(begin, end)
-        if all(p.form == "kv" and p.dtype == key_states.dtype for p in pieces):
-            return pieces
-        return []
-
-    def _token_major(
-        self,
-        pieces: list[Piece],
-        begin: int,
-        end: int,
-        after: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the cold positions [begin, end) (held by ``pieces``) followed by the
-        ``after`` K/V pairs, as views of a token-major buffer (one of two, by layer): the
-        stored rows are read into it as they lie on disk, so nothing regathers them; the
-        attention kernel takes the strided views and gives bit-identical results
-        (tests/engine/kvdirect/test_tiers.py). Whole pieces are read, so a piece that starts before
-        ``begin`` leads the buffer."""
-        lead = begin - pieces[0].start
-        stored = pieces[-1].end - pieces[0].start
-        tail = sum(k.shape[-2] for k, _ in after)
-        heads, dim = self.kv_heads, self.head_dim
-        dtype = after[0][0].dtype
-        rows = max(stored, lead + end - begin) + tail
-        width = 2 * heads * dim
-        stats = self.owner.stats
-        t0 = time.perf_counter()
-        flat = self.owner.take_prefetched(self.layer_idx, pieces, rows * width)
-        if flat is None:
-            flat = self.owner.rows_buffer(rows * width, dtype, self.layer_idx % 2)
-            self.store.read_into(pieces, flat[: stored * width].view(torch.uint8))
-        stats.read_seconds += time.perf_counter() - t0
-        stats.disk_read_bytes += self.store.read_bytes(pieces)
-        stats.rows_read_in_place += stored
-        # While this layer computes, the next one's cold rows come in on the other core.
-        self.owner.prefetch(self.layer_idx + 1, dtype, key_states_rows=after[-1][0].shape[-2])
-        both = flat.view(1, rows, 2, heads, dim)
-        at = lead + (end - begin)
-        for k, v in after:
-            n = k.shape[-2]
-            both[:, at : at + n, 0].copy_(k.transpose(1, 2))
-            both[:, at : at + n, 1].copy_(v.transpose(1, 2))
-            at += n
-        visible = both[:, lead:at]
-        return visible[:, :, 0].transpose(1, 2), visible[:, :, 1].transpose(1, 2)
-
-    def _kv_windows(
-        self, pieces: list[Piece], device: torch.device, begin: int, end: int, chunk_rows: int
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """K/V pieces in windows of ``chunk_rows`` positions counted from ``begin``,
-        whatever the pieces' own boundaries: streamed attention then sums in the same
-        order however the rows were spilled, saved or resumed."""
-        stats = self.owner.stats
-        t0 = time.perf_counter()
-        windows = self.store.load_windows(pieces, begin, end, chunk_rows, self.owner.window_buffer)
-        for _, rows in windows:
-            stats.read_seconds += time.perf_counter() - t0
-            k, v = unpack_kv(rows.to(device), self.kv_heads, self.head_dim)
-            yield k, v
-            t0 = time.perf_counter()
-        stats.disk_read_bytes += self.store.read_bytes(pieces)
-
-    def _in_parts(
-        self, piece: Piece, device: torch.device, begin: int, end: int, chunk_rows: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out = []
-        cuts = list(range(chunk_rows, piece.rows, chunk_rows))
-        for r0, rows in self.store.load_in_parts(piece, device, cuts):
-            a = piece.start + r0
-            b = a + rows.shape[1]
-            if b <= begin or a >= end:
-                continue
-            part = Piece(a, piece.form, rows, calls=[b - a])
-            out.extend(self._to_kv([part], [rows], begin, end))
-        return out
-
-    def _to_kv(
-        self, pieces: list[Piece], rows: list[torch.Tensor], begin: int, end: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K/V of ``pieces`` (whose rows are ``rows``), clipped to [begin, end).
-
-        Consecutive one-row residual pieces (decoded tokens) are grouped: their norm,
-        k-norm and RoPE run once over the group (row-independent), while the projection
-        still runs one row per call, as it originally did.
-        """
-        adapter = self.owner.adapter
-        idx = self.layer_idx
-        out = []
-        i = 0
-        while i < len(pieces):
-            first, stop = pieces[i].start, pieces[i].end
-            if pieces[i].form == "kv":
-                k, v = unpack_kv(rows[i], self.kv_heads, self.head_dim)
-                i += 1
-            else:
-                j = i
-                if pieces[i].rows == 1:
-                    while (
-                        j + 1 < len(pieces)
-                        and pieces[j + 1].form == "residual"
-                        and pieces[j + 1].rows == 1
-                        and pieces[j + 1].start == pieces[j].end
-                    ):
-                        j += 1
-                group = pieces[i : j + 1]
-                stop = group[-1].end
-                if len(group) == 1:
-                    hidden = rows[i]
-                    # the thread count of the original call (it can change the bits)
-                    with rows_threads(hidden.shape[1]):
-                        key, value = adapter.project(idx, adapter.normalize(idx, hidden))
-                else:
-                    hidden = torch.cat(rows[i : j + 1], dim=1)
-                    normed = adapter.normalize(idx, hidden)
-                    with rows_threads(1):
-                        parts = [
-                            adapter.project(idx, normed[:, r : r + 1]) for r in range(len(group))
-                        ]
-                    key = torch.cat([k for k, _ in parts], dim=1)
-                    value = torch.cat([v for _, v in parts], dim=1)
-                positions = torch.arange(first, stop, device=hidden.device).unsqueeze(0)
-                k, v = adapter.finish(idx, key, value, hidden, positions)
-                i = j + 1
-            lo, hi = max(begin, first) - first, min(end, stop) - first
-            out.append((k[..., lo:hi, :], v[..., lo:hi, :]))
-        return out
+        """K/V of positions [begin, end) in order, a bounded run at a time (``ColdReader``)."""
+        return self.cold.iter_kv(begin, end, chunk_rows)
 
     # -- accounting ----------------------------------------------------------------------
     def hot_bytes(self) -> int:
@@ -746,6 +546,7 @@ class KVDirectCache(Cache):
         self.planner = planner
         self.hot_window_cap = hot_window
         self.plan: Plan | None = None  # the plan in force
+        self.calls = CallLog()
         self.kv_window: int | None = None  # K/V-form layers (set under the disk tier)
         # Rows each growing hot window may hold ahead (see HOT_RESERVE_ROWS). 0 keeps it
         # compact, as under a ceiling, whose planner counts rows as they are.
@@ -761,7 +562,7 @@ class KVDirectCache(Cache):
         self.spill: SpillArea | None = None
         self._row_files: dict[str, RowFile] = {}
         self._budget_need_total = 0
-        self._buffers: dict[str, torch.Tensor] = {}
+        self.scratch = ScratchBuffers()  # reused by every layer and step
         self.spill_error: StorageError | None = None  # a failed move to disk, reported next call
         self._prefetched: tuple[int, list[int], int, torch.Tensor, Future] | None = None
         layers = [
@@ -806,27 +607,6 @@ class KVDirectCache(Cache):
         if chunk is not None:
             route(self.adapter.model, self.adapter)
 
-    # -- reusable scratch ----------------------------------------------------------------
-    def _buffer(
-        self, name: str, numel: int, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        held = self._buffers.get(name)
-        if held is None or held.numel() < numel or held.dtype != dtype or held.device != device:
-            held = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
-        return held[:numel]
-
-    def read_buffer(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 CPU buffer for rows read back from disk (reused every call)."""
-        return self._buffer("read", nbytes, torch.uint8, torch.device("cpu"))
-
-    def rows_buffer(self, numel: int, dtype: torch.dtype, parity: int = 0) -> torch.Tensor:
-        """A flat CPU buffer of token-major K/V rows handed to attention (reused): two of
-        them, so that one layer's rows are read while the layer before attends."""
-        return self._buffer(f"rows{parity}", numel, dtype, torch.device("cpu"))
-
-    def rows_buffers_bytes(self) -> int:
-        return sum(nbytes(self._buffers[n]) for n in ("rows0", "rows1") if n in self._buffers)
-
     # -- reading the next layer's cold rows ahead ----------------------------------------
     def prefetch(self, layer_idx: int, dtype: torch.dtype, key_states_rows: int) -> None:
         """Start reading layer ``layer_idx``'s cold K/V rows into its buffer, as its
@@ -851,7 +631,7 @@ class KVDirectCache(Cache):
         stored = pieces[-1].end - pieces[0].start
         rows = max(stored, lead + hot_from - visible_from) + layer.hot_length + key_states_rows
         width = 2 * layer.kv_heads * layer.head_dim
-        flat = self.rows_buffer(rows * width, dtype, layer_idx % 2)
+        flat = self.scratch.rows_buffer(rows * width, dtype, layer_idx % 2)
         cold = flat[: stored * width].view(torch.uint8)
         future = _prefetcher().submit(layer.store.read_into, pieces, cold)
         self._prefetched = (layer_idx, [id(p) for p in pieces], rows * width, flat, future)
@@ -874,25 +654,6 @@ class KVDirectCache(Cache):
         held, self._prefetched = self._prefetched, None
         if held is not None:
             held[4].exception()
-
-    def window_buffer(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 CPU buffer streamed attention's windows are assembled in."""
-        return self._buffer("window", nbytes, torch.uint8, torch.device("cpu"))
-
-    def kv_buffer(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        """``torch.cat(parts, dim=-2)`` into a buffer reused by every layer and step."""
-        first = parts[0]
-        rows = sum(p.shape[-2] for p in parts)
-        shape = (*first.shape[:-2], rows, first.shape[-1])
-        flat = self._buffer(name, math.prod(shape), first.dtype, first.device)
-        out = flat.view(shape)
-        torch.cat(parts, dim=-2, out=out)
-        return out
-
-    def release_buffers(self, names: tuple[str, ...] | None = None) -> None:
-        """Drop the named scratch buffers (all of them by default)."""
-        for name in list(self._buffers) if names is None else names:
-            self._buffers.pop(name, None)
 
     # -- disk tier -----------------------------------------------------------------------
     def layer_checkpoint_budget(self, layer: KVDirectLayer) -> int | None:
@@ -928,11 +689,16 @@ class KVDirectCache(Cache):
         the plan (windows trimmed, rows moved to disk). Raises what the planner refuses
         (NeedsDiskTierError, nothing fed yet) and a failed move to disk since the last
         call. Returns the plan in force (None: no planner, the windows as given)."""
+        self.calls.note(n_new, self.resident_bytes())
         if self.planner is None:
             self._raise_spill_error()
             return None
         self._apply_plan(self._plan_for(self.get_seq_length() + n_new))
         return self.plan
+
+    def take_calls(self) -> CallLog:
+        calls, self.calls = self.calls, CallLog()
+        return calls
 
     def _plan_for(self, n_tokens: int) -> Plan:
         """The planner's plan for ``n_tokens``, its hot windows capped by an explicit one."""
@@ -960,11 +726,11 @@ class KVDirectCache(Cache):
         self.checkpoint_budget = plan.checkpoint_budget
         self.enable_streaming(plan.stream_chunk)
         if not plan.disk_tier:
-            self.release_buffers()
+            self.scratch.release()
         elif plan.stream_chunk is not None:
-            self.release_buffers(("read", "k", "v", "rows0", "rows1"))  # whole-K/V read-back
+            self.scratch.release(("read", "k", "v", "rows0", "rows1"))  # whole-K/V read-back
         else:
-            self.release_buffers(("window",))  # streamed attention's
+            self.scratch.release(("window",))  # streamed attention's
         self.decode_stream_chunk = plan.decode_stream_chunk or plan.stream_chunk
         self._budget_need_total = max(1, sum(map(_need, self.layers)))
         for layer in self.layers:
@@ -999,7 +765,7 @@ class KVDirectCache(Cache):
     def close(self) -> None:
         self._settle_prefetch()
         self.detach()
-        self.release_buffers()
+        self.scratch.release()
         if self.spill is not None:
             self.spill.close()
             self.spill = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -57,16 +57,51 @@ class CacheAccounting:
     plan: str  # the plan in force, in words
 
 
+@dataclass
+class CallLog:
+    """The forward calls a cache was prepared for since the log was last taken: their rows
+    (a repair replays them, because the same rows fed in other chunks give other bits) and
+    the most state the cache held resident before any of them."""
+
+    rows: list[int] = field(default_factory=list)
+    peak_resident_bytes: int = 0
+
+    def note(self, rows: int, resident_bytes: int) -> None:
+        self.rows.append(rows)
+        self.peak_resident_bytes = max(self.peak_resident_bytes, resident_bytes)
+
+
+def prepare_call(cache: object, n_new: int) -> None:
+    """Before a forward call of ``n_new`` tokens on any transformers cache: ours meet the
+    ceiling and log the call (:meth:`ConversationCache.prepare`); a cache built elsewhere
+    (a plain ``DynamicCache``, the lab's eviction caches) has nothing to prepare."""
+    prepare = getattr(cache, "prepare", None)
+    if prepare is not None:
+        prepare(n_new)
+
+
+def layer_input_observer(cache: object) -> Callable[[int, torch.Tensor], None] | None:
+    """What a forward path that skips the model's module hooks calls with each layer's
+    input (``note_layer_input``: a KV-Direct cache keeps residual checkpoints of them);
+    None for a cache that keeps no inputs."""
+    return getattr(cache, "note_layer_input", None)
+
+
 class ConversationCache(Protocol):
     """The calls a chat session makes on its cache."""
 
     plan: Plan | None  # the plan in force (None: nothing planned, or nothing to plan)
+    calls: CallLog  # the calls prepared for since the owner last took the log
 
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
     def prepare(self, n_new: int) -> Plan | None:
         """Before a forward call of ``n_new`` tokens: meet the ceiling, or refuse the call
-        (NeedsDiskTierError) before anything is fed."""
+        (NeedsDiskTierError) before anything is fed; log the call in ``calls``."""
+        ...
+
+    def take_calls(self) -> CallLog:
+        """The calls logged so far; the log starts again empty."""
         ...
 
     def accounting(self) -> CacheAccounting: ...

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from kvchat.engine.kvdirect.footprint import ModelFootprint
+from kvchat.engine.kvdirect.interface import CallLog
 
 if TYPE_CHECKING:
     from kvchat.engine.kvdirect.interface import CacheAccounting, SavedSegment
@@ -29,10 +30,12 @@ class StandardCache(DynamicCache):
         self.max_mem = max_mem
         self.hot_reserve = 0
         self.plan = None  # nothing to plan: every row stays in memory
+        self.calls = CallLog()
 
     def prepare(self, n_new: int) -> None:
         """Before a forward call of ``n_new`` tokens: NeedsDiskTierError when the K/V after
         it would pass the ceiling (nothing has been fed yet, so nothing is lost)."""
+        self.calls.note(n_new, self.resident_bytes())
         if self.max_mem is None:
             return None
         from kvchat.errors import NeedsDiskTierError
@@ -46,6 +49,10 @@ class StandardCache(DynamicCache):
                 f"--max-mem {human_bytes(self.max_mem)}; use --cache kvdirect or raise --max-mem"
             )
         return None
+
+    def take_calls(self) -> CallLog:
+        calls, self.calls = self.calls, CallLog()
+        return calls
 
     def resident_bytes(self) -> int:
         """Bytes of the K/V tensors held: the whole of this cache's state."""

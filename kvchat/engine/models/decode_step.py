@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvchat.engine.kvdirect.interface import layer_input_observer
+
 __all__ = ["DecodeStep", "decode_step_for", "forget_decode_step", "prepare_decode_step"]
 
 _steps: weakref.WeakKeyDictionary[nn.Module, DecodeStep | None] = weakref.WeakKeyDictionary()
@@ -232,9 +234,7 @@ class DecodeStep:
         )
         cos, sin = self.rotary(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        note_input: Callable[[int, torch.Tensor], None] | None = getattr(
-            cache, "note_layer_input", None
-        )
+        note_input = layer_input_observer(cache)
         native = self._native_layers() if hidden.dtype == torch.float32 else None
         attention = self._attention_function()
         for layer in self.layers:
@@ -417,9 +417,7 @@ class Gemma3DecodeStep(DecodeStep):
         for kind in set(self.layer_types):
             cos, sin = self.rotary(hidden, position_ids, kind)
             rotary[kind] = (cos.unsqueeze(1), sin.unsqueeze(1))
-        note_input: Callable[[int, torch.Tensor], None] | None = getattr(
-            cache, "note_layer_input", None
-        )
+        note_input = layer_input_observer(cache)
         attention = self._attention_function()
         for layer, kind, (q_norm, k_norm, pre, post, window) in zip(
             self.layers, self.layer_types, self.extra

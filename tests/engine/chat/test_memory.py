@@ -116,7 +116,6 @@ def test_rss_growth_stays_within_the_ceiling_plus_allowance(smollm2_loaded):
             device=session.loaded.device,
             settings=SamplingSettings(max_new_tokens=250),
             stop_ids=set(),
-            before_forward=session.before_forward,
         )
     finally:
         done.set()

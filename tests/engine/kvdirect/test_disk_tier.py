@@ -87,19 +87,20 @@ def watch_resident(session: ChatSession) -> list[int]:
     the end of every forward call, from the engine's own accounting."""
     seen: list[int] = []
     cache = session.cache
-    original = session.before_forward
+    original = cache.prepare
 
-    def measured(n_new: int) -> None:
+    def measured(n_new: int):
         seen.append(
             cache.hot_bytes()
             + cache.checkpoint_bytes()
             + 8 * len(session.token_ids)
             + cache.stats.step_scratch_bytes
         )
-        original(n_new)
+        plan = original(n_new)
         seen.append(cache.hot_bytes() + cache.checkpoint_bytes() + 8 * len(session.token_ids))
+        return plan
 
-    session.before_forward = measured
+    cache.prepare = measured  # the one call before every forward call
     return seen
 
 
