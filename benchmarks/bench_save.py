@@ -8,15 +8,13 @@ anything is measured); it opens them and times the save of the next turn (turn 2
 in an order that rotates from repeat to repeat.
 
 What is timed is the *manifest part* of a save: ``append_turn`` minus the time spent
-encoding and writing the segment (``segments.encode`` and ``segments.write_segment`` are
-wrapped to time them). It includes checking the arguments, building the in-memory
-manifest, writing the journal record or rewriting the manifest, and their fsyncs. Beside it:
-the bytes written to files other than the segment (journal growth, plus the whole
-``manifest.json`` when a save replaces it).
+encoding and writing the segment (``append_turn`` returns that time). It includes checking
+the arguments, building the in-memory manifest, writing the journal record or rewriting
+the manifest, and their fsyncs. Beside it: the bytes written to files other than the
+segment (journal growth, plus the whole ``manifest.json`` when a save replaces it).
 
 Target: turn N costs at most 1.2x turn 2 (median over repeats of the per-repeat ratio).
-Only the store's public API is used, so the same script measures an older kvchat too: copy
-it into that checkout's ``benchmarks/`` (``common`` measures the checkout it sits in).
+Only the store's public API is used.
 
 Run from the repository root: ``python benchmarks/bench_save.py [--json PATH]``.
 """
@@ -29,7 +27,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,36 +90,6 @@ def build(root: Path, args: argparse.Namespace) -> tuple[str, Path, Path, list[d
     return conv.id, early, late, [all_args[1], all_args[-1]]
 
 
-class SegmentClock:
-    """Wraps the segment encoder and writer the store calls, adding up their time."""
-
-    def __init__(self) -> None:
-        from kvchat.storage import segments
-
-        self.segments = segments
-        self.real = {name: getattr(segments, name) for name in ("encode", "write_segment")}
-        self.seconds = 0.0
-
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.seconds += time.perf_counter() - t0
-
-        return call
-
-    def __enter__(self) -> SegmentClock:
-        for name, fn in self.real.items():
-            setattr(self.segments, name, self._timed(fn))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, fn in self.real.items():
-            setattr(self.segments, name, fn)
-
-
 def files_beside_segments(folder: Path) -> dict[str, tuple[int, int]]:
     """(inode, size) of each file of the conversation folder but the segments and lock."""
     out = {}
@@ -180,12 +147,11 @@ def measure_once(store_root: Path, cid: str, turn: dict) -> dict[str, float]:
     with store.open(cid) as conv:
         before = files_beside_segments(folder)
         harness.collect()
-        with SegmentClock() as clock:
-            t0 = time.perf_counter()
-            conv.append_turn(**turn)
-            total = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        times = conv.append_turn(**turn)  # the save says where its time went
+        total = time.perf_counter() - t0
         written = bytes_written(before, files_beside_segments(folder))
-    return {"manifest_s": total - clock.seconds, "total_s": total, "bytes": written}
+    return {"manifest_s": total - times.segment_seconds, "total_s": total, "bytes": written}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

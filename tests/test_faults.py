@@ -113,7 +113,7 @@ def conversation_dir(root: Path, conv_id: str) -> Path:
 def debris(root: Path, conv_id: str) -> list[str]:
     """Temporary files, and segment files the manifest does not name."""
     from kvchat.storage.atomic import is_temp_name
-    from kvchat.storage.store import read_manifest
+    from kvchat.storage.folder import read_manifest
 
     path = conversation_dir(root, conv_id)
     named = {turn.segment.file for turn in read_manifest(path).turns}

@@ -23,9 +23,9 @@ from kvchat.commands.export import export_text
 from kvchat.errors import StorageError
 from kvchat.storage import ConversationStore, SegmentInfo
 from kvchat.storage import segments as seg
+from kvchat.storage.folder import read_manifest
 from kvchat.storage.journal import JOURNAL_NAME, seal
 from kvchat.storage.manifest import CHECKSUM_KEY, content_checksum
-from kvchat.storage.store import read_manifest
 from tests.storage.test_journal import FIXTURE, FIXTURE_ID
 from tests.storage.test_store import new, save_turns
 

@@ -29,8 +29,8 @@ from kvchat.storage import (
     atomic,
 )
 from kvchat.storage import journal as journal_mod
+from kvchat.storage.folder import read_manifest
 from kvchat.storage.journal import JOURNAL_NAME, apply_state_delta, seal, state_delta
-from kvchat.storage.store import read_manifest
 from tests.storage.refusals import refused_everywhere as refused_with
 from tests.storage.test_store import new
 

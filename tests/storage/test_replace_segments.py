@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvchat.storage import FORMAT_VERSION, SaveFailedError, SegmentCorruptedError, segments
-from kvchat.storage import store as store_mod
+from kvchat.storage import conversation as conversation_mod
 from tests.storage.test_store import new, save_turns, turn_tensors
 
 
@@ -60,7 +60,7 @@ def test_a_failure_before_the_manifest_leaves_the_turn_damaged_not_misread(conv,
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "write_text_atomic", full_disk)
+    monkeypatch.setattr(conversation_mod, "write_text_atomic", full_disk)
     with pytest.raises(SaveFailedError, match="run the repair again"):
         conv.replace_segments({1: info})
     monkeypatch.undo()
