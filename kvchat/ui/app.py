@@ -21,6 +21,7 @@ from textual import events, on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
 
@@ -84,6 +85,13 @@ class KvchatApp(App[None]):
         Binding("f5", "copy", "Copy", show=False),
     ]
 
+    # What the status line, the gauge and the key bindings follow: each change redraws them
+    # (the watchers below), so no handler has to remember to.
+    phase = reactive("loading", init=False)  # loading | ready | failed
+    busy = reactive(False, init=False, bindings=True)  # a reply is streaming
+    load_note = reactive("", init=False)  # what loading is doing now
+    prefill_note = reactive("", init=False)  # "reading the prompt 40%" for a long prompt
+
     def __init__(self, backend: Backend, *, memory_interval: float = MEMORY_INTERVAL) -> None:
         super().__init__()
         self.backend = backend
@@ -92,16 +100,12 @@ class KvchatApp(App[None]):
         self.settings = ChatSettings(system=self.launch.system)
         self._applied_system = self.launch.system
         self.model: ModelView | None = None
-        self.phase = "loading"  # loading | ready | failed
-        self.busy = False  # a reply is streaming
         self.turn_memory: list[MemorySnapshot] = []  # snapshot after each turn
         self.live_memory: MemorySnapshot | None = None
         self.load_error: str | None = None
         self._stop = threading.Event()
         self._reply: MessageView | None = None
         self._engine = EngineThread()
-        self._load_note = ""
-        self._prefill_note = ""  # "reading the prompt 40%" while a long prompt is read
         self.unsaved_turns: list[int] = []  # answered but not on disk (the next save retries)
         self.editing: int | None = None  # which of your messages (1-based) the box edits
         self.handle_signals = False  # run_app sets it: SIGTERM/SIGHUP quit cleanly
@@ -176,7 +180,7 @@ class KvchatApp(App[None]):
         launch = self.launch
         ceiling = f"max-mem {fmt_bytes(launch.max_mem)}" if launch.max_mem else "no ceiling"
         if self.phase == "loading":
-            text = f"loading… {self._load_note}" if self._load_note else f"loading {launch.model}…"
+            text = f"loading… {self.load_note}" if self.load_note else f"loading {launch.model}…"
             return f" kvchat · {text}"
         if self.phase == "failed":
             return f" kvchat · not loaded: {launch.model} · /model NAME tries another"
@@ -185,8 +189,8 @@ class KvchatApp(App[None]):
         where = f"{m.device} {m.dtype}" if m and m.dtype else ""
         state = "● replying" if self.busy else "ready"
         long_state = "● replying (esc stops)" if self.busy else "ready"
-        if self.busy and self._prefill_note:
-            state = long_state = f"● {self._prefill_note}"
+        if self.busy and self.prefill_note:
+            state = long_state = f"● {self.prefill_note}"
         kind = launch.cache_kind
         candidates = [
             ["kvchat", f"{long_state} │ {name}", where, kind, ceiling],
@@ -198,17 +202,24 @@ class KvchatApp(App[None]):
         lines = [" " + " · ".join(p for p in parts if p) for parts in candidates]
         return next((line for line in lines if len(line) <= width), lines[-1])
 
-    def _set_busy(self, busy: bool) -> None:
-        self.busy = busy
-        self.gauge.live = busy
+    def watch_busy(self, busy: bool) -> None:
+        if self.is_mounted:
+            self.gauge.live = busy
         self._show_status()
-        self.refresh_bindings()
+
+    def watch_phase(self) -> None:
+        self._show_status()
+
+    def watch_load_note(self) -> None:
+        self._show_status()
+
+    def watch_prefill_note(self) -> None:
+        self._show_status()
 
     # -- loading ---------------------------------------------------------------------------
     def _load(self, spec: str | None) -> None:
         self.phase = "loading"
-        self._load_note = ""
-        self._show_status()
+        self.load_note = ""
         post = self.post_message
 
         def job() -> None:
@@ -231,8 +242,7 @@ class KvchatApp(App[None]):
         self._engine.submit(job)
 
     def on_load_progress(self, message: LoadProgress) -> None:
-        self._load_note = message.text
-        self._show_status()
+        self.load_note = message.text
 
     def on_loaded(self, message: Loaded) -> None:
         self.model = message.model
@@ -272,7 +282,7 @@ class KvchatApp(App[None]):
         self._reply = await self.chat_log.add("assistant", label=self._model_label())
         self._reply.set_meta("…")
         self._stop.clear()
-        self._set_busy(True)
+        self.busy = True
         self._send(text, self.settings.copy())
 
     def _model_label(self) -> str:
@@ -346,15 +356,12 @@ class KvchatApp(App[None]):
 
     def on_prefill_progress(self, message: PrefillProgress) -> None:
         if message.total < PREFILL_NOTE_MIN_TOKENS or message.done >= message.total:
-            self._prefill_note = ""
+            self.prefill_note = ""
         else:
-            self._prefill_note = f"reading the prompt {100 * message.done // message.total}%"
-        self._show_status()
+            self.prefill_note = f"reading the prompt {100 * message.done // message.total}%"
 
     async def on_reply_chunk(self, message: ReplyChunk) -> None:
-        if self._prefill_note:
-            self._prefill_note = ""
-            self._show_status()
+        self.prefill_note = ""
         if self._reply is not None:
             await self._reply.append(message.text)
 
@@ -365,7 +372,7 @@ class KvchatApp(App[None]):
         self._refresh_panels()
 
     async def on_reply_done(self, message: ReplyDone) -> None:
-        self._prefill_note = ""
+        self.prefill_note = ""
         turn = message.turn
         if self._reply is not None:
             notes = [count(turn.tokens, "token"), f"{turn.tokens_per_second:.1f} tok/s"]
@@ -382,7 +389,7 @@ class KvchatApp(App[None]):
             self._set_unsaved([])  # a save writes every turn still pending
         self.live_memory = None
         self.gauge.show(turn.memory)
-        self._set_busy(False)
+        self.busy = False
         self._refresh_panels()
 
     def _set_unsaved(self, turns: list[int], reason: str = "") -> None:
@@ -414,7 +421,7 @@ class KvchatApp(App[None]):
         title = FAILURE_TITLES.get(message.what, message.what)
         self.notify(message.message, title=title, severity="error", timeout=12)
         if message.what == "branch":
-            self._set_busy(False)
+            self.busy = False
         if message.what == "send":
             if self._reply is not None:
                 if self._reply.text:
@@ -423,7 +430,7 @@ class KvchatApp(App[None]):
                     self._reply.remove()
             self._reply = None
             self.live_memory = None
-            self._set_busy(False)
+            self.busy = False
 
     def _after_error(self, choice: str | None) -> None:
         if choice == "quit":
@@ -531,7 +538,7 @@ class KvchatApp(App[None]):
         """Fork before your message ``which``, then send ``text`` in the fork."""
         self._end_edit()
         self._stop.clear()
-        self._set_busy(True)
+        self.busy = True
         post = self.post_message
 
         def job() -> None:
