@@ -106,33 +106,63 @@ def eager_attention(model: torch.nn.Module):
         model.set_attn_implementation(before)
 
 
-def _attach(cache: Any) -> None:
-    if hasattr(cache, "attach"):
-        cache.attach()
+class Contender:
+    """A cache the study drives, behind the few calls it makes: each kind of cache gets its
+    own class at construction, so the study never asks which kind it holds. This one is
+    transformers' ``DynamicCache`` (the reference): nothing to attach, every row held."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def attach(self) -> None:
+        return None
+
+    def detach(self) -> None:
+        return None
+
+    def end_prefill(self) -> None:
+        return None
+
+    def fork(self) -> Contender | None:
+        """An independent copy of the state (None: replay the calls into a fresh cache)."""
+        return None
+
+    def state_bytes(self) -> tuple[int, int]:
+        """(K/V bytes held, other conversation state: KV-Direct's residual checkpoints)."""
+        total = 0
+        for layer in self.cache.layers:
+            for t in (layer.keys, layer.values):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total, 0
 
 
-def _detach(cache: Any) -> None:
-    if hasattr(cache, "detach"):
-        cache.detach()
+class KVDirectContender(Contender):
+    def attach(self) -> None:
+        self.cache.attach()
+
+    def detach(self) -> None:
+        self.cache.detach()
+
+    def state_bytes(self) -> tuple[int, int]:
+        return self.cache.hot_bytes(), self.cache.checkpoint_bytes()
 
 
-def _end_prefill(cache: Any) -> None:
-    if hasattr(cache, "end_prefill"):
-        cache.end_prefill()
+class EvictionContender(Contender):
+    def attach(self) -> None:
+        self.cache.attach()
 
+    def detach(self) -> None:
+        self.cache.detach()
 
-def state_bytes(cache: Any) -> tuple[int, int]:
-    """(K/V bytes held, other conversation state: KV-Direct's residual checkpoints)."""
-    if isinstance(cache, KVDirectCache):
-        return cache.hot_bytes(), cache.checkpoint_bytes()
-    if isinstance(cache, EvictionCache):
-        return cache.kv_bytes(), 0
-    total = 0
-    for layer in cache.layers:
-        for t in (layer.keys, layer.values):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total, 0
+    def end_prefill(self) -> None:
+        self.cache.end_prefill()
+
+    def fork(self) -> Contender:
+        return EvictionContender(self.cache.fork())
+
+    def state_bytes(self) -> tuple[int, int]:
+        return self.cache.kv_bytes(), 0
 
 
 def run_reference(model: torch.nn.Module, wl: Workload, device: torch.device) -> Reference:
@@ -159,7 +189,7 @@ def run_reference(model: torch.nn.Module, wl: Workload, device: torch.device) ->
         segments.append(segment)
         replies.append(reply)
         pending = [reply[-1]]
-    kv, _ = state_bytes(cache)
+    kv, _ = Contender(cache).state_bytes()
     return Reference(segments, replies, logits_seen, kv, time.perf_counter() - t0)
 
 
@@ -172,14 +202,15 @@ def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 def measure_policy(
     model: torch.nn.Module,
     ref: Reference,
-    make_cache: Callable[[], Any],
+    make_cache: Callable[[], Contender],
     device: torch.device,
     stop_ids: set[int],
 ) -> dict[str, Any]:
     """Teacher-forced run over the reference, forking a free-running branch at divergence."""
     t0, cpu0 = time.perf_counter(), time.process_time()
-    cache = make_cache()
-    _attach(cache)
+    contender = make_cache()
+    contender.attach()
+    cache = contender.cache
     history: list[tuple[str, list[int]]] = []  # every call fed, to replay into a fresh cache
     kls: list[float] = []
     top1 = matches = offset = 0
@@ -189,7 +220,7 @@ def measure_policy(
 
     def track(decoding: bool) -> None:
         nonlocal kv_decode, total_peak
-        kv, other = state_bytes(cache)
+        kv, other = contender.state_bytes()
         total_peak = max(total_peak, kv + other)
         if decoding:
             kv_decode = max(kv_decode, kv)
@@ -200,7 +231,7 @@ def measure_policy(
             logits = prefill(model, cache, segment, device, CHUNK)
             history.append(("prefill", segment))
             track(False)
-            _end_prefill(cache)
+            contender.end_prefill()
             history.append(("end", []))
             track(True)
             diverged = False
@@ -218,7 +249,7 @@ def measure_policy(
                         first_divergence = offset + i
                     rest = reply[i + 1 :]
                     matches += i + _free_branch(
-                        model, cache, make_cache, history, greedy, rest, device, stop_ids
+                        model, contender, make_cache, history, greedy, rest, device, stop_ids
                     )
                 if i + 1 < len(reply):
                     logits = forward(model, cache, [token], device)
@@ -228,7 +259,7 @@ def measure_policy(
                 matches += len(reply)
             offset += len(reply)
     finally:
-        _detach(cache)
+        contender.detach()
     n = ref.n_tokens
     return {
         "token_match": matches / n,
@@ -247,8 +278,8 @@ def measure_policy(
 
 def _free_branch(
     model: torch.nn.Module,
-    cache: Any,
-    make_cache: Callable[[], Any],
+    contender: Contender,
+    make_cache: Callable[[], Contender],
     history: Sequence[tuple[str, list[int]]],
     token: int,
     rest: Sequence[int],
@@ -258,39 +289,40 @@ def _free_branch(
     """From the policy's own diverging ``token``, generate greedily; matches with ``rest``."""
     if not rest:
         return 0
-    _detach(cache)
-    if hasattr(cache, "fork"):
-        twin = cache.fork()
-        _attach(twin)
+    contender.detach()
+    twin = contender.fork()
+    if twin is not None:
+        twin.attach()
     else:  # replay the same calls, same shapes, into a fresh cache
         twin = make_cache()
-        _attach(twin)
+        twin.attach()
         for kind, ids in history:
             if kind == "prefill":
-                prefill(model, twin, ids, device, CHUNK)
+                prefill(model, twin.cache, ids, device, CHUNK)
             elif kind == "decode":
-                forward(model, twin, ids, device)
+                forward(model, twin.cache, ids, device)
             else:
-                _end_prefill(twin)
+                twin.end_prefill()
     matches = 0
     try:
         for ref_token in rest:
             if token in stop_ids:
                 break  # the policy's reply ended here; the reference's did not
-            token = int(torch.argmax(forward(model, twin, [token], device)))
+            token = int(torch.argmax(forward(model, twin.cache, [token], device)))
             matches += token == ref_token
     finally:
-        _detach(twin)
-        _attach(cache)
+        twin.detach()
+        contender.attach()
     return matches
 
 
-def cache_factory(loaded: Any, policy: str, budget: int) -> Callable[[], Any]:
+def cache_factory(loaded: Any, policy: str, budget: int) -> Callable[[], Contender]:
     model = loaded.model
     adapter = loaded.adapter()
     if policy == "kv_direct":
-        return lambda: KVDirectCache(adapter, ["residual"] * adapter.num_layers, budget)
-    return lambda: EvictionCache(model, policy, budget, adapter=adapter)
+        forms = ["residual"] * adapter.num_layers
+        return lambda: KVDirectContender(KVDirectCache(adapter, forms, budget))
+    return lambda: EvictionContender(EvictionCache(model, policy, budget, adapter=adapter))
 
 
 # -- workloads -------------------------------------------------------------------------------
