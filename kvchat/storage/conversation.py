@@ -327,18 +327,20 @@ class Conversation:
         atomic.append_at(committed.path, save.record, committed.size, save.progress)
 
     def _migrate(self, save: _Save) -> None:
-        """First save of a format 1 conversation (see ``legacy``): committed once
-        the new header is renamed into place."""
-        save.header, save.journal = legacy.begin_migration(
-            self.path,
-            self._saved.manifest,
-            turn=save.turn,
+        """First save of a format 1 conversation (see ``legacy``): the whole manifest, this
+        turn included, becomes a format 2 header, committed once it is renamed into place."""
+        old = self._saved.manifest
+        whole = dataclasses.replace(
+            old,
             title=save.title,
             updated=save.updated,
-            messages=save.messages,
-            token_ids=save.token_ids,
-            state=save.state,
+            messages=old.messages + save.messages,
+            token_ids=old.token_ids + save.token_ids,
+            turns=[*old.turns, save.turn],
+            engine_state=save.state,
+            format_version=FORMAT_VERSION,
         )
+        save.header, save.journal = legacy.begin_migration(self.path, whole)
         legacy.commit_migration(self.path, save.header)
 
     def _adopt(self, save: _Save) -> None:

@@ -9,46 +9,24 @@ replaces the whole manifest), so the same migration follows a repair.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Any
 
 from kvchat.storage import atomic, journal
 from kvchat.storage.atomic import DirSyncError, write_text_atomic
 from kvchat.storage.folder import MANIFEST_NAME, JournalEnd
 from kvchat.storage.journal import JOURNAL_NAME
-from kvchat.storage.manifest import FORMAT_VERSION, Manifest, Turn
+from kvchat.storage.manifest import Manifest
 
 
-def begin_migration(
-    path: Path,
-    old: Manifest,
-    *,
-    turn: Turn,
-    title: str,
-    updated: str,
-    messages: list[dict[str, Any]],
-    token_ids: list[int],
-    state: dict[str, Any],
-) -> tuple[str, JournalEnd]:
-    """The first save of the format 1 conversation in ``path``: the whole manifest, this
-    turn included, becomes a format 2 header continued by an empty journal. The journal is
-    emptied (durably) first: a format 1 manifest ignores it, so until the header's rename,
-    the commit (``commit_migration``), the conversation on disk is the old one. Returns the
-    header to write and where the journal will end."""
+def begin_migration(path: Path, whole: Manifest) -> tuple[str, JournalEnd]:
+    """The first save of the format 1 conversation in ``path``, whose manifest with the
+    new turn is ``whole``: it becomes a format 2 header continued by an empty journal. The
+    journal is emptied (durably) first: a format 1 manifest ignores it, so until the
+    header's rename, the commit (``commit_migration``), the conversation on disk is the old
+    one. Returns the header to write and where the journal will end."""
     journal_id = journal.new_journal_id()
     journal_path = path / JOURNAL_NAME
     atomic.empty_file(journal_path)
-    whole = dataclasses.replace(
-        old,
-        title=title,
-        updated=updated,
-        messages=old.messages + messages,
-        token_ids=old.token_ids + token_ids,
-        turns=[*old.turns, turn],
-        engine_state=state,
-        format_version=FORMAT_VERSION,
-    )
     return whole.to_json(journal_id=journal_id), JournalEnd(journal_path, journal_id, 0)
 
 
