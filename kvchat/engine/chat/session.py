@@ -134,10 +134,12 @@ class ChatSession:
     def _prepare(self, n_new: int) -> None:
         """Before a turn feeds anything: the cache plans for its ``n_new`` tokens, or
         refuses them (nothing is fed). The turn's forward calls then prepare themselves."""
-        earlier = self.cache.take_calls().peak_resident_bytes  # calls made outside a turn
-        self._note_state_peak(max(earlier, self.cache.resident_bytes()))
-        self.cache.prepare(n_new)
-        self.cache.take_calls()  # a check, not a call: the turn's calls are logged anew
+        try:
+            self.cache.prepare(n_new)
+        finally:
+            # The check (and any call made outside a turn) counts toward the peak, not as
+            # one of the turn's calls.
+            self._note_state_peak(self.cache.calls.take().peak_resident_bytes)
 
     @property
     def plan(self) -> Plan | None:
@@ -274,7 +276,7 @@ class ChatSession:
             self._cache_broken = True
             raise
         finally:
-            calls = self.cache.take_calls()
+            calls = self.cache.calls.take()
             self._note_state_peak(calls.peak_resident_bytes)
             self.turn_log.calls += calls.rows
         self._compute_seconds += time.perf_counter() - start

@@ -696,10 +696,6 @@ class KVDirectCache(Cache):
         self._apply_plan(self._plan_for(self.get_seq_length() + n_new))
         return self.plan
 
-    def take_calls(self) -> CallLog:
-        calls, self.calls = self.calls, CallLog()
-        return calls
-
     def _plan_for(self, n_tokens: int) -> Plan:
         """The planner's plan for ``n_tokens``, its hot windows capped by an explicit one."""
         import dataclasses

@@ -70,6 +70,12 @@ class CallLog:
         self.rows.append(rows)
         self.peak_resident_bytes = max(self.peak_resident_bytes, resident_bytes)
 
+    def take(self) -> CallLog:
+        """What was logged so far; the log starts again empty."""
+        taken = CallLog(self.rows, self.peak_resident_bytes)
+        self.rows, self.peak_resident_bytes = [], 0
+        return taken
+
 
 def prepare_call(cache: object, n_new: int) -> None:
     """Before a forward call of ``n_new`` tokens on any transformers cache: ours meet the
@@ -91,17 +97,13 @@ class ConversationCache(Protocol):
     """The calls a chat session makes on its cache."""
 
     plan: Plan | None  # the plan in force (None: nothing planned, or nothing to plan)
-    calls: CallLog  # the calls prepared for since the owner last took the log
+    calls: CallLog  # the calls prepared for since the owner last took them (calls.take())
 
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
     def prepare(self, n_new: int) -> Plan | None:
         """Before a forward call of ``n_new`` tokens: meet the ceiling, or refuse the call
         (NeedsDiskTierError) before anything is fed; log the call in ``calls``."""
-        ...
-
-    def take_calls(self) -> CallLog:
-        """The calls logged so far; the log starts again empty."""
         ...
 
     def accounting(self) -> CacheAccounting: ...

@@ -50,10 +50,6 @@ class StandardCache(DynamicCache):
             )
         return None
 
-    def take_calls(self) -> CallLog:
-        calls, self.calls = self.calls, CallLog()
-        return calls
-
     def resident_bytes(self) -> int:
         """Bytes of the K/V tensors held: the whole of this cache's state."""
         total = 0

@@ -57,7 +57,7 @@ def test_the_cache_prepares_each_forward_call_itself(tmp_path) -> None:
                 stop_ids=set(),
                 prefill_chunk=64,
             )
-            return outcome.tokens, session.cache.take_calls(), session.cache.plan
+            return outcome.tokens, session.cache.calls.take(), session.cache.plan
         finally:
             session.close()
 
