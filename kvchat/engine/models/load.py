@@ -130,8 +130,11 @@ def load_model(
             key_mapping: dict[str, str] | None = None
             if getattr(config, "model_type", None) == "gemma3" and hasattr(config, "text_config"):
                 config, key_mapping = config.text_config, _GEMMA3_TEXT_KEYS
+            from kvchat.engine.models import gguf_weights
+
+            from_gguf = gguf_weights.has_index(path)
             if weights != "none":
-                if not any(path.glob("*.safetensors")):
+                if not from_gguf and not any(path.glob("*.safetensors")):
                     raise ModelLoadError(
                         f"--weights {weights} reads safetensors weights and {str(path)!r} has "
                         "none; use --weights none"
@@ -142,23 +145,27 @@ def load_model(
                     path, config, torch_dtype, weights, key_mapping=key_mapping, device=dev
                 )
                 return model, tokenizer
-            kwargs: dict[str, Any] = {"dtype": torch_dtype}
-            if key_mapping is not None:
-                kwargs.update(config=config, key_mapping=key_mapping)
-            if dev.type != "cpu" and _accelerate_installed():
-                # Streams the weights straight to the device; transformers needs accelerate
-                # for any device_map. Without it they load on the CPU and move (below).
-                kwargs["device_map"] = str(dev)
-            try:
-                model = AutoModelForCausalLM.from_pretrained(
-                    path, attn_implementation="sdpa", **kwargs
-                )
-            except (ValueError, ImportError) as exc:
-                if "sdpa" not in str(exc).lower():
-                    raise
-                model = AutoModelForCausalLM.from_pretrained(
-                    path, attn_implementation="eager", **kwargs
-                )
+            if from_gguf:  # dequantized at load: no float copy of a GGUF is kept on disk
+                model = gguf_weights.load_float_model(path, config, torch_dtype, "sdpa")
+                _read_generation_config(model, path)
+            else:
+                kwargs: dict[str, Any] = {"dtype": torch_dtype}
+                if key_mapping is not None:
+                    kwargs.update(config=config, key_mapping=key_mapping)
+                if dev.type != "cpu" and _accelerate_installed():
+                    # Streams the weights straight to the device; transformers needs accelerate
+                    # for any device_map. Without it they load on the CPU and move (below).
+                    kwargs["device_map"] = str(dev)
+                try:
+                    model = AutoModelForCausalLM.from_pretrained(
+                        path, attn_implementation="sdpa", **kwargs
+                    )
+                except (ValueError, ImportError) as exc:
+                    if "sdpa" not in str(exc).lower():
+                        raise
+                    model = AutoModelForCausalLM.from_pretrained(
+                        path, attn_implementation="eager", **kwargs
+                    )
     except ModelLoadError:
         raise
     except torch.OutOfMemoryError as exc:
@@ -180,6 +187,16 @@ def load_model(
             "a smaller model, or --device cpu"
         ) from None
     return model, tokenizer
+
+
+def _read_generation_config(model: Any, path: Any) -> None:
+    """The directory's generation defaults (stop ids), as ``from_pretrained`` reads them."""
+    from transformers import GenerationConfig
+
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass  # none saved: the config's defaults stand
 
 
 def _accelerate_installed() -> bool:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvchat.engine.models.model_dir import GGUF_INDEX_NAME
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -77,4 +79,9 @@ def fingerprint(config: PretrainedConfig, weights_mode: str, model_dir: Path | N
                 digest.update(fh.read(_SAMPLE))
                 fh.seek(max(0, size - _SAMPLE))
                 digest.update(fh.read(_SAMPLE))
+        index = Path(model_dir) / GGUF_INDEX_NAME
+        if index.is_file():  # a converted GGUF: its sha256, and the tensors the index names
+            digest.update(index.read_bytes())
+            source = json.loads((Path(model_dir) / "kvchat-source.json").read_text("utf-8"))
+            digest.update(str(source.get("sha256")).encode())  # not its path: files move
     return digest.hexdigest()

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-__all__ = ["parameters_on_meta"]
+__all__ = ["empty_model", "parameters_on_meta"]
 
 
 @contextmanager
@@ -37,3 +38,21 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def empty_model(config: Any, dtype: Any, attn_implementation: str) -> Any:
+    """``config``'s causal LM with its parameters on the meta device, ready to be filled one
+    tensor at a time; eager attention where the architecture has no SDPA path."""
+    from transformers import AutoModelForCausalLM
+
+    with parameters_on_meta():
+        try:
+            return AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn_implementation
+            )
+        except (ValueError, ImportError) as exc:
+            if "sdpa" not in str(exc).lower():
+                raise
+            return AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation="eager"
+            )

@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# The index of a converted GGUF's weights (``gguf_weights.INDEX_NAME``; that module imports
+# transformers' GGUF helpers lazily, but this one stays free of the engine's other modules).
+GGUF_INDEX_NAME = "gguf-tensors.json"
+
 
 def is_model_dir(path: Path) -> bool:
-    """A complete transformers directory: config, safetensors weights, tokenizer."""
+    """A complete model directory: config, tokenizer, and safetensors weights or (a converted
+    GGUF) the index of the GGUF's weights."""
     if not (path / "config.json").is_file():
         return False
-    has_weights = any(path.glob("*.safetensors"))
+    has_weights = any(path.glob("*.safetensors")) or (path / GGUF_INDEX_NAME).is_file()
     has_tokenizer = any(
         (path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     )

@@ -35,7 +35,8 @@ CHOICES: tuple[str, ...] = ("auto", *WEIGHT_MODES)
 def auto_weights(model_dir: Any, device_type: str) -> str:
     """What ``--weights auto`` (the default) means for a model directory on a device.
 
-    On CPU, int4 for every checkpoint kvchat can read tensor by tensor (safetensors): the
+    On CPU, int4 for every checkpoint kvchat can read tensor by tensor (safetensors, and a
+    converted GGUF's own tensors): the
     weights are most of a chat process's memory, and int4 holds a bf16 checkpoint in about a
     quarter of its bytes. A model converted from a GGUF had 4-bit linears in the file, which
     int4 group 32 re-expresses (exactly for Q4_0/Q4_1). The quality of each choice, against
@@ -45,8 +46,11 @@ def auto_weights(model_dir: Any, device_type: str) -> str:
     """
     from pathlib import Path
 
+    from kvchat.engine.models.model_dir import GGUF_INDEX_NAME
+
     if device_type == "cpu" and model_dir is not None:
-        if any(Path(model_dir).glob("*.safetensors")):
+        model_dir = Path(model_dir)
+        if any(model_dir.glob("*.safetensors")) or (model_dir / GGUF_INDEX_NAME).is_file():
             return "int4"
     return "none"
 

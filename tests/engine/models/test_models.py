@@ -325,11 +325,14 @@ def test_gguf_is_converted_once(
     first = resolve_model(str(tiny_gguf), progress=messages.append)
     assert first.source == "gguf" and first.name == "tiny" and first.chat_template
     assert first.path.parent == cache / "models" and first.path.name.startswith("tiny-")
-    assert any("converting tiny.gguf" in m for m in messages)
-    assert any("dequantized" in m for m in messages)
+    assert any("reading tiny.gguf once" in m for m in messages)
+    assert any("indexed the weights" in m for m in messages)
     assert not list((cache / "models").glob(".tmp-*")), "stale and own temp dirs are gone"
     source = json.loads((first.path / "kvchat-source.json").read_text())
     assert source["sha256"].startswith(first.path.name.rsplit("-", 1)[1])
+    # No float copy: the weights stay in the GGUF, which the directory names.
+    assert source["path"] == str(tiny_gguf.resolve())
+    assert not list(first.path.glob("*.safetensors"))
 
     again: list[str] = []
     started = time.monotonic()
@@ -354,10 +357,49 @@ def test_gguf_is_converted_once(
         assert torch.equal(model(ids).logits, reference(ids).logits)
 
     # A directory damaged by hand is not trusted: it is replaced by a fresh conversion.
-    (first.path / "model.safetensors").unlink()
+    (first.path / "gguf-tensors.json").unlink()
     repaired = resolve_model(str(tiny_gguf))
-    assert repaired == first and (first.path / "model.safetensors").is_file()
+    assert repaired == first and (first.path / "gguf-tensors.json").is_file()
     assert not list((cache / "models").glob(".tmp-*"))
+
+
+@pytest.mark.parametrize(
+    ("embedding_type", "block_rows"),
+    [(None, None), ("Q4_1", None), ("Q4_1", 7), ("Q8_0", 100)],
+    ids=["f32", "q4_1", "q4_1-in-blocks", "q8_0-in-blocks"],
+)
+def test_the_gguf_tensors_are_those_of_transformers_own_gguf_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, embedding_type: str | None, block_rows: int
+) -> None:
+    """Each tensor read from the GGUF through the converted directory's index (whole, or a
+    block of rows at a time) equals the one transformers' own GGUF load computes (all tensors
+    dequantized at once), and the directory holds no copy of the weights."""
+    import torch
+    import transformers.modeling_utils
+    from transformers import AutoModelForCausalLM
+
+    from kvchat.engine.models.gguf_weights import gguf_tensors
+
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", embedding_type=embedding_type)
+    target = tmp_path / "converted"
+    gguf_conversion.convert_gguf(source, target, "0" * 64, lambda _m: None)
+    stored = sum(f.stat().st_size for f in target.iterdir() if f.name.startswith(("gguf", "model")))
+    assert stored < 0.05 * source.stat().st_size  # the index alone
+
+    monkeypatch.setattr(
+        transformers.modeling_utils, "is_accelerate_available", lambda *_a, **_k: True
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=torch.float32
+    )
+    reference = model.state_dict()
+    read = 0
+    for tensor in gguf_tensors(target):
+        whole = tensor.read() if block_rows is None else torch.cat(list(tensor.rows(block_rows)))
+        assert list(whole.shape) == tensor.shape
+        assert torch.equal(whole, reference[tensor.name]), tensor.name
+        read += 1
+    assert read == len(list(model.parameters()))  # each weight once (a tied one too)
 
 
 @pytest.mark.parametrize(
@@ -365,12 +407,13 @@ def test_gguf_is_converted_once(
     [(None, None), ("Q4_1", None), ("Q4_1", 1024), ("Q8_0", 1000)],
     ids=["f32", "q4_1", "q4_1-in-pieces", "q8_0-in-pieces"],
 )
-def test_conversion_writes_the_bytes_of_transformers_own_gguf_load(
+def test_a_float_conversion_writes_the_bytes_of_transformers_own_gguf_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, embedding_type: str | None, piece_bytes: int
 ) -> None:
-    """The conversion streams tensors (large ones in row pieces) into the file; the file is
-    byte for byte what ``save_model`` writes for the model transformers loads from the GGUF
-    (all tensors dequantized at once)."""
+    """Where the index declines (an architecture whose tensors transformers builds from
+    several GGUF tensors), the conversion streams float32 tensors (large ones in row pieces)
+    into a file that is byte for byte what ``save_model`` writes for the model transformers
+    loads from the GGUF."""
     import safetensors.torch
     import torch
     import transformers.modeling_utils
@@ -379,6 +422,7 @@ def test_conversion_writes_the_bytes_of_transformers_own_gguf_load(
     source = write_tiny_gguf(tmp_path / "tiny.gguf", embedding_type=embedding_type)
     if piece_bytes is not None:
         monkeypatch.setattr(gguf_conversion, "PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(gguf_conversion, "write_index", lambda *_a: False)
     target = tmp_path / "converted"
     messages: list[str] = []
     gguf_conversion.convert_gguf(source, target, "0" * 64, messages.append)
@@ -393,6 +437,33 @@ def test_conversion_writes_the_bytes_of_transformers_own_gguf_load(
     expected = tmp_path / "expected.safetensors"
     safetensors.torch.save_model(reference, str(expected))
     assert (target / "model.safetensors").read_bytes() == expected.read_bytes()
+
+
+def test_a_converted_gguf_follows_its_file_and_says_when_it_is_gone(
+    offline_env: Path, tmp_path: Path
+) -> None:
+    """The directory reads its weights from the GGUF: the same file found at another path is
+    followed; a GGUF deleted under a directory that needs it is a one-line error naming it."""
+    import shutil
+
+    (tmp_path / "a").mkdir()
+    source = write_tiny_gguf(tmp_path / "a" / "tiny.gguf")
+    first = resolve_model(str(source))
+    moved = tmp_path / "b" / "tiny.gguf"
+    moved.parent.mkdir()
+    shutil.move(source, moved)
+    again = resolve_model(str(moved))
+    assert again.path == first.path
+    source_info = json.loads((again.path / "kvchat-source.json").read_text())
+    assert source_info["path"] == str(moved.resolve())
+    model, _tokenizer = load_model(again)  # reads the moved file
+    assert weights_nbytes(model) > 0
+
+    moved.unlink()
+    with pytest.raises(ModelLoadError) as exc:
+        load_model(again)
+    text = assert_one_line(exc)
+    assert str(moved.resolve()) in text and "is gone" in text and "--model" in text
 
 
 @pytest.mark.slow
