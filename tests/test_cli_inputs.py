@@ -8,6 +8,7 @@ marked slow.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -171,15 +172,20 @@ def test_a_base_model_gets_plain_completion_and_is_told_so(smollm2_dir, tmp_path
             (base / f.name).write_text(json.dumps(config))
         else:
             (base / f.name).symlink_to(f)
-    out = kvchat(
-        "run", "--model", str(base), "--no-save", "--max-new-tokens", "12",
-        "--prompt", "The capital of France is", env=_env(tmp_path),
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert "is a base model (no chat template): plain completion" in out.stderr
-    assert "Assistant" not in out.stdout and "User" not in out.stdout
-    js = kvchat(
-        "run", "--model", str(base), "--no-save", "--max-new-tokens", "4", "--json",
-        "--prompt", "The capital of France is", env=_env(tmp_path),
-    )  # fmt: skip
-    assert json.loads(js.stdout)["prompt_tokens"] == 5  # the prompt alone, no wrapper
+    from kvchat.engine.models.quantized_load import small_form_path
+
+    try:
+        out = kvchat(
+            "run", "--model", str(base), "--no-save", "--max-new-tokens", "12",
+            "--prompt", "The capital of France is", env=_env(tmp_path),
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert "is a base model (no chat template): plain completion" in out.stderr
+        assert "Assistant" not in out.stdout and "User" not in out.stdout
+        js = kvchat(
+            "run", "--model", str(base), "--no-save", "--max-new-tokens", "4", "--json",
+            "--prompt", "The capital of France is", env=_env(tmp_path),
+        )  # fmt: skip
+        assert json.loads(js.stdout)["prompt_tokens"] == 5  # the prompt alone, no wrapper
+    finally:  # the int4 form of this tmp directory, written into the user's cache
+        shutil.rmtree(small_form_path(base, "int4").parent, ignore_errors=True)

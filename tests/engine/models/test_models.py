@@ -679,3 +679,23 @@ def test_default_model_resolves_fast_and_chats(smollm2_dir: Path, smollm2: tuple
         out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+@pytest.mark.slow
+def test_the_default_models_float_weights_are_transformers_own_gguf_load(
+    smollm2_dir: Path, smollm2: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--weights none`` dequantizes the GGUF at load: every weight is the one transformers'
+    own GGUF loader computes from the same file (no float copy of it is kept on disk)."""
+    import torch
+
+    from kvchat.engine.models.gguf_weights import has_index
+    from tests.conftest import transformers_own_model
+
+    if not has_index(smollm2_dir):
+        pytest.skip("the default model was converted by an earlier kvchat (a float32 copy)")
+    assert not list(smollm2_dir.glob("*.safetensors"))
+    ours = smollm2[0].state_dict()
+    theirs = transformers_own_model(smollm2_dir, monkeypatch).state_dict()
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)

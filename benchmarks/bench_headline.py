@@ -1,0 +1,292 @@
+"""The headline's scale, side by side with llama.cpp on the same file: a Gemma-3-4B-shaped
+Q4_0 GGUF (random weights, the real Gemma 3 tokenizer).
+
+The file is written once by ``make_shape_gguf.py`` (kept beside this repository in
+``../shared/tools``; ``--make-shape`` points elsewhere) from the Gemma 3 270M GGUF kvchat
+fetches (``kvchat --model gemma-3-270m`` once) and
+``kvchat/engine/kvdirect/configs/gemma-3-4b.json``.
+Every row runs in a process of its own, one after another, as a user would start it:
+
+* ``llama.cpp``: llama-cpp-python's ``Llama`` (n_ctx 4096) on the file: the load, then the
+  ~600-token prompt (the first tokens of ``kvchat.lab.texts.STORY``) and 16 greedy tokens;
+* ``kvchat, first start``: ``load(file)`` with kvchat's defaults in an empty cache (reading
+  the GGUF's config, tokenizer and tensor index, writing the int4 small form), then the same
+  reply through kvchat's ``generate`` and default cache;
+* ``kvchat``: the same again, the cache now warm (what every later start does);
+* ``kvchat, ~1,000 tokens``, with no ceiling and under ``--max-mem 64MB``: the bounded pair
+  on a longer context (the issue's bounded row), whose tokens must be equal.
+
+Figures: the load (the process's start to the model being ready: kvchat's includes the
+first start's conversion), prefill tok/s (prompt tokens / time to the first token), decode
+tok/s (15 / time from the first to the 16th token), RSS after the reply and peak RSS
+(``VmHWM``), and what kvchat's cache holds for the file against the file's size. One run of
+each (a 4B prefill takes minutes on 2 cores); ratios are only meaningful within one run.
+
+llama.cpp must be importable (``pip install llama-cpp-python``; the wheel in
+``../shared/peers`` is built with AVX-512 and dies with an illegal instruction on an
+AVX2-only CPU: build one for the machine, see the README). Without it the llama.cpp row is
+skipped, with a message.
+
+Run from the repository root: ``python benchmarks/bench_headline.py`` (~20 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
+
+from kvchat.lab import harness  # noqa: E402
+
+CONFIG = common.REPO_ROOT / "kvchat" / "engine" / "kvdirect" / "configs" / "gemma-3-4b.json"
+MAKE_SHAPE = common.REPO_ROOT.parent / "shared" / "tools" / "make_shape_gguf.py"
+LLAMA_CTX = 4096
+CEILING = 64 * 2**20
+
+
+# -- one row, in a process of its own -----------------------------------------------------
+def measure_llama(args: argparse.Namespace) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    ids = common.prompt_from_file(args.ids_file)
+    started = time.perf_counter()
+    llm = Llama(model_path=args.gguf, n_ctx=LLAMA_CTX, n_threads=args.threads, verbose=False)
+    loaded_at = time.perf_counter()
+    stamps: list[float] = []
+    tokens: list[int] = []
+    for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+        stamps.append(time.perf_counter())
+        tokens.append(int(token))
+        if len(stamps) >= args.new_tokens:
+            break
+    return common.reply_figures(len(ids), loaded_at, stamps) | {
+        "load_s": loaded_at - started,
+        "tokens": tokens,
+    }
+
+
+def measure_kvchat(args: argparse.Namespace) -> dict[str, Any]:
+    from kvchat.engine.chat.generate import generate
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.engine.models.load import load_with
+    from kvchat.engine.models.settings import ModelSettings
+
+    started = time.perf_counter()
+    # kvchat's defaults, as `kvchat --model FILE` loads it (--weights auto --dtype auto)
+    loaded = load_with(ModelSettings(model=args.gguf, threads=args.threads))
+    loaded_at = time.perf_counter()
+    session = ChatSession(loaded, cache=CacheSettings(max_mem=args.max_mem or None))
+    ids = common.prompt_from_file(args.ids_file)
+    stamps: list[float] = []
+    tokens: list[int] = []
+
+    def on_token(token: int) -> None:
+        stamps.append(time.perf_counter())
+        tokens.append(int(token))
+
+    t0 = time.perf_counter()
+    generate(
+        loaded.model,
+        session.cache,
+        ids,
+        device=loaded.device,
+        settings=SamplingSettings(max_new_tokens=args.new_tokens),
+        stop_ids=set(),
+        prefill_chunk=256,
+        on_token=on_token,
+    )
+    return common.reply_figures(len(ids), t0, stamps) | {
+        "load_s": loaded_at - started,
+        "tokens": tokens,
+        "weights": loaded.weights_mode,
+        "weights_bytes": loaded.weights_bytes,
+        "state_resident_bytes": session.cache.resident_bytes(),
+        "state_disk_bytes": session.cache.disk_bytes(),
+    }
+
+
+# -- the driver ------------------------------------------------------------------------------
+def run_row(name: str, args: argparse.Namespace, env: dict[str, str], **extra: Any) -> dict:
+    cmd = [
+        sys.executable, __file__, "--one", name, "--gguf", args.gguf,
+        "--ids-file", extra.get("ids_file", args.ids_file),
+        "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
+        "--max-mem", str(extra.get("max_mem", 0)),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        tail = (out.stderr or "").strip().splitlines()[-3:]
+        raise RuntimeError(f"{name} failed (exit {out.returncode}): {' | '.join(tail)}")
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result["process_s"] = time.perf_counter() - started
+    harness.say(
+        f"{name}: load {result['load_s']:.1f} s, prefill {result['prefill_tps']:.1f} tok/s, "
+        f"decode {result['decode_tps']:.2f} tok/s, RSS {harness.human_bytes(result['rss_bytes'])}"
+    )
+    return result
+
+
+def llama_available() -> str | None:
+    probe = subprocess.run(
+        [sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True, timeout=120
+    )
+    if probe.returncode == -4 or probe.returncode == 132:
+        return "llama_cpp dies with an illegal instruction (built for another CPU)"
+    if probe.returncode != 0:
+        return "llama_cpp is not importable (pip install llama-cpp-python)"
+    return None
+
+
+def source_gguf(given: str | None) -> Path:
+    if given:
+        return Path(given)
+    from kvchat.engine.models.gguf_weights import gguf_path
+    from kvchat.engine.models.resolve import resolve_model
+
+    return gguf_path(resolve_model("gemma-3-270m").path)
+
+
+def shape_gguf(args: argparse.Namespace) -> Path:
+    from kvchat.paths import cache_dir
+
+    target = Path(args.out_gguf or cache_dir() / "peers" / "gemma-3-4b-shape-Q4_0.gguf")
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    source = source_gguf(args.source)
+    harness.say(f"writing {target} from {source} ({args.make_shape})")
+    subprocess.run(
+        [sys.executable, str(args.make_shape), str(source), str(CONFIG), str(target),
+         "--type", "Q4_0"],
+        check=True, timeout=3600,
+    )  # fmt: skip
+    return target
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--source", default=None, help="the Gemma 3 270M GGUF (default: kvchat's)")
+    parser.add_argument("--make-shape", default=str(MAKE_SHAPE))
+    parser.add_argument("--out-gguf", default=None, help="where the 4B-shaped GGUF is kept")
+    parser.add_argument("--context", type=int, default=600)
+    parser.add_argument("--bounded-context", type=int, default=1000)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ids-file", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--max-mem", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--json", default="results/bench_headline.json")
+    args = parser.parse_args()
+    if args.threads is None:
+        from kvchat.threads import default_threads
+
+        args.threads = default_threads()
+    if args.one:
+        result = measure_llama(args) if args.one == "llama.cpp" else measure_kvchat(args)
+        print("RESULT " + json.dumps(result))
+        return
+
+    wall = harness.stopwatch()
+    env_info = harness.environment(args.threads)
+    harness.say(f"load average at start: {env_info['loadavg_at_start']}; threads {args.threads}")
+    args.gguf = str(shape_gguf(args))
+    gguf_bytes = Path(args.gguf).stat().st_size
+    from kvchat.engine.models.resolve import resolve_model
+
+    tokenizer_dir = str(resolve_model("gemma-3-270m").path)  # the same tokenizer
+    args.ids_file = common.story_prompt_file(tokenizer_dir, args.context, args.json)
+    long_json = str(Path(args.json).with_suffix("")) + "-long.json"
+    long_ids = common.story_prompt_file(tokenizer_dir, args.bounded_context, long_json)
+
+    rows: dict[str, dict] = {}
+    why_not = llama_available()
+    if why_not is None:
+        peer_env = {**common.LAUNCH_ENV, common.AS_LAUNCHED: "1"}
+        rows["llama.cpp"] = run_row("llama.cpp", args, peer_env)
+    else:
+        harness.say(f"llama.cpp row skipped: {why_not}")
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp) / "cache"
+        env = {**os.environ, "KVCHAT_CACHE_DIR": str(cache), "KVCHAT_OFFLINE": "1"}
+        rows["kvchat, first start"] = run_row("kvchat", args, env)
+        cache_bytes = tree_bytes(cache / "models") + tree_bytes(cache / "weights")
+        rows["kvchat"] = run_row("kvchat", args, env)
+        bounded_ids = {"ids_file": long_ids}
+        rows["kvchat, ~1,000 tokens"] = run_row("kvchat", args, env, **bounded_ids)
+        rows["kvchat, ~1,000 tokens, --max-mem 64MB"] = run_row(
+            "kvchat", args, env, max_mem=CEILING, **bounded_ids
+        )
+        shutil.rmtree(cache, ignore_errors=True)
+
+    peer = rows.get("llama.cpp")
+    headers = ["engine", "load s", "prefill tok/s", "decode tok/s", "RSS", "peak RSS"]
+    if peer:
+        headers += ["load + first token vs llama.cpp", "prefill vs llama.cpp",
+                    "decode vs llama.cpp", "RSS vs llama.cpp"]  # fmt: skip
+    table = []
+    for name, r in rows.items():
+        first = r["load_s"] + r["prompt_tokens"] / r["prefill_tps"]
+        row = [
+            name, f"{r['load_s']:.1f}", f"{r['prefill_tps']:.1f}", f"{r['decode_tps']:.2f}",
+            harness.human_bytes(r["rss_bytes"]),
+            harness.human_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else "-",
+        ]  # fmt: skip
+        r["load_and_first_token_s"] = first
+        if peer:
+            peer_first = peer["load_s"] + peer["prompt_tokens"] / peer["prefill_tps"]
+            row += [
+                harness.fmt(first / peer_first),
+                harness.fmt(r["prefill_tps"] / peer["prefill_tps"]),
+                harness.fmt(r["decode_tps"] / peer["decode_tps"]),
+                harness.fmt(r["rss_bytes"] / peer["rss_bytes"]),
+            ]
+        table.append(row)
+    print(
+        f"Gemma-3-4B-shaped Q4_0 GGUF ({harness.human_bytes(gguf_bytes)}, random weights, the "
+        f"real Gemma 3 tokenizer), {args.context}-token prompt, {args.new_tokens} greedy "
+        f"tokens, {args.threads} threads, one run of each, one process each"
+    )
+    print(harness.markdown_table(headers, table))
+    unbounded = rows["kvchat, ~1,000 tokens"]
+    bounded = rows["kvchat, ~1,000 tokens, --max-mem 64MB"]
+    same = unbounded["tokens"] == bounded["tokens"]
+    held = harness.human_bytes(bounded["state_resident_bytes"])
+    standard = harness.human_bytes(unbounded["state_resident_bytes"])
+    print(
+        f"under --max-mem 64MB ({args.bounded_context}-token prompt): decode "
+        f"{harness.fmt(bounded['decode_tps'] / unbounded['decode_tps'])}x kvchat's own "
+        f"unbounded decode, conversation state {held} resident against {standard}; "
+        f"the same tokens: {'yes' if same else 'NO'}"
+    )
+    print(
+        f"kvchat's cache for the file after its first start: {harness.human_bytes(cache_bytes)}, "
+        f"{harness.fmt(cache_bytes / gguf_bytes)}x the GGUF"
+    )
+    if peer is None:
+        print(f"llama.cpp row skipped: {why_not}")
+    fields = {"rows": rows, "gguf_bytes": gguf_bytes, "cache_bytes": cache_bytes,
+              "bounded_same_tokens": same}  # fmt: skip
+    harness.save_run(args.json, "bench_headline", fields, env_info, wall())
+
+
+if __name__ == "__main__":
+    main()
