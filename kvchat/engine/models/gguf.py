@@ -27,7 +27,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvchat.engine.models.gguf_weights import ADOPTED_NAME, SOURCE_NAME, write_index
+from kvchat.engine.models.gguf_weights import (
+    ADOPTED_NAME,
+    SOURCE_NAME,
+    metadata_value,
+    write_index,
+)
 from kvchat.engine.models.messages import Progress, quiet_transformers
 from kvchat.engine.models.model_dir import is_model_dir
 from kvchat.errors import ModelLoadError
@@ -117,6 +122,7 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
     for this, and which would then be imported by every chat process.
     """
     import torch
+    from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvchat.engine.models.meta_init import parameters_on_meta
@@ -124,15 +130,19 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
     with quiet_transformers(), _gguf_progress(say):
         say("reading the GGUF tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # kvchat's own reads of the metadata share one parse (20 s for Gemma's 262K tokens)
+        reader = GGUFReader(str(gguf))
         config = AutoConfig.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, **rope_overrides(gguf)
+            gguf.parent, gguf_file=gguf.name, **rope_overrides(reader)
         )
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.tie_weights()
-        if write_index(gguf, model, _saved_names(model)[0], out):
+        indexed = write_index(gguf, reader, model, _saved_names(model)[0], out)
+        del reader
+        if indexed:
             say(f"indexed the weights of {gguf.name}")
         else:
             say("dequantizing the GGUF weights")
@@ -148,38 +158,28 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
     del model
 
 
-def _metadata(reader: Any, key: str) -> Any:
-    """A GGUF metadata value (str, number), or None when the file does not have it."""
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return None
-    value = field.parts[field.data[0]]
-    if field.types and field.types[0].name == "STRING":
-        return bytes(value).decode("utf-8")
-    return value.tolist()[0] if hasattr(value, "tolist") else value
-
-
-def rope_overrides(gguf: Path) -> dict[str, Any]:
-    """``rope_parameters`` for the rope settings llama.cpp reads from ``gguf`` that
+def rope_overrides(source: Path | Any) -> dict[str, Any]:
+    """``rope_parameters`` for the rope settings llama.cpp reads from a GGUF (its path, or
+    gguf's ``GGUFReader`` of it) that
     transformers' GGUF loader drops: the scaling type and factor (Gemma 3 4B and larger run
     their global layers with linear x8 scaling; without it the converted model is another
     model), YaRN's original context, and Gemma 3's sliding layers' own base frequency.
     Empty when the file has none of them."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(gguf))
-    arch = _metadata(reader, "general.architecture")
-    kind = _metadata(reader, f"{arch}.rope.scaling.type")
-    factor = _metadata(reader, f"{arch}.rope.scaling.factor")
-    base = _metadata(reader, f"{arch}.rope.freq_base")
+    reader = GGUFReader(str(source)) if isinstance(source, (str, Path)) else source
+    arch = metadata_value(reader, "general.architecture")
+    kind = metadata_value(reader, f"{arch}.rope.scaling.type")
+    factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
+    base = metadata_value(reader, f"{arch}.rope.freq_base")
     scaled: dict[str, Any] = {"rope_type": "default"}
     if kind in ("linear", "yarn") and factor is not None and float(factor) != 1.0:
         scaled = {"rope_type": kind, "factor": float(factor)}
-        original = _metadata(reader, f"{arch}.rope.scaling.original_context_length")
+        original = metadata_value(reader, f"{arch}.rope.scaling.original_context_length")
         if kind == "yarn" and original:
             scaled["original_max_position_embeddings"] = int(original)
     if arch == "gemma3":
-        swa_base = _metadata(reader, f"{arch}.rope.freq_base_swa")
+        swa_base = metadata_value(reader, f"{arch}.rope.freq_base_swa")
         if swa_base is None and scaled["rope_type"] == "default":
             return {}
         full = {**scaled, "rope_theta": float(base if base is not None else 1_000_000.0)}

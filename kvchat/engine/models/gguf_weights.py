@@ -39,6 +39,7 @@ __all__ = [
     "gguf_tensors",
     "has_index",
     "load_float_model",
+    "metadata_value",
     "record_gguf_path",
     "write_index",
 ]
@@ -76,29 +77,41 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def write_index(gguf: Path, model: Any, saved_as: dict[str, str], out: Path) -> bool:
-    """Write ``out/gguf-tensors.json`` for ``model`` (a skeleton of the GGUF's config) and
-    return True; False (nothing written) for an architecture whose tensor processor builds
-    tensors across GGUF tensors.
+def metadata_value(reader: Any, key: str) -> Any:
+    """A GGUF metadata value (str, number), or None when the file does not have it."""
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    value = field.parts[field.data[0]]
+    if field.types and field.types[0].name == "STRING":
+        return bytes(value).decode("utf-8")
+    return value.tolist()[0] if hasattr(value, "tolist") else value
+
+
+def write_index(gguf: Path, reader: Any, model: Any, saved_as: dict[str, str], out: Path) -> bool:
+    """Write ``out/gguf-tensors.json`` for ``model`` (a skeleton of the GGUF's config) from
+    ``reader`` (gguf's ``GGUFReader`` of ``gguf``) and return True; False (nothing
+    written) for an architecture whose tensor processor builds tensors across GGUF tensors.
 
     ``saved_as`` maps each state-dict name that takes a GGUF tensor to the name its tensor is
     saved under (tied weights share one, and only the input embedding of a tied group takes
     a tensor; see ``gguf._saved_names``). A GGUF tensor with no place in the model is indexed
     with no name, as transformers' loader skips it."""
-    from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
         get_gguf_hf_weights_map,
-        load_gguf_checkpoint,
-        read_field,
     )
 
-    # The processors read the configuration as the GGUF states it, not as the model fills it.
-    gguf_config = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
-    reader = GGUFReader(str(gguf))
-    architecture = read_field(reader, "general.architecture")[0]
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=gguf_config)
+    architecture = metadata_value(reader, "general.architecture")
+    # The processors read the head counts as the GGUF states them (a key it lacks stays
+    # absent, and then llama.cpp's Q/K order is left as it is, as transformers' loader does).
+    heads = {
+        "num_attention_heads": metadata_value(reader, f"{architecture}.attention.head_count"),
+        "num_key_value_heads": metadata_value(reader, f"{architecture}.attention.head_count_kv"),
+    }
+    heads = {k: v for k, v in heads.items() if v is not None}
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=heads)
     kind = _processor_kind(processor)
     if kind is None:
         return False
@@ -127,9 +140,7 @@ def write_index(gguf: Path, model: Any, saved_as: dict[str, str], out: Path) -> 
         "format": FORMAT,
         "architecture": architecture,
         "processor": kind,
-        "heads": _plain(
-            {k: gguf_config.get(k) for k in ("num_attention_heads", "num_key_value_heads")}
-        ),
+        "heads": _plain(heads),
         "gguf_bytes": gguf.stat().st_size,
         "tensors": tensors,
     }
