@@ -82,7 +82,9 @@ def int4_supported(weight: torch.Tensor) -> bool:
     return k % GROUP == 0 and n % 8 == 0
 
 
-def quantize_int4(weight: torch.Tensor, *, recover_grid: bool = False) -> dict[str, torch.Tensor]:
+def quantize_int4(
+    weight: torch.Tensor, *, recover_grid: bool = False, grid_steps: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Asymmetric int4 per group of :data:`GROUP` input columns, nibble-packed.
 
     Each group's step is (max - min) / 15 (min/max), unless ``recover_grid``: then a group
@@ -90,7 +92,9 @@ def quantize_int4(weight: torch.Tensor, *, recover_grid: bool = False) -> dict[s
     GGUF Q4_0, Q4_1 or Q4_K block dequantizes to) gets that grid's step, so its 4-bit codes
     are the file's own and the values come back (:func:`dequantize_int4`) to float32
     rounding. min/max alone re-expresses only the blocks whose codes reach both 0 and 15:
-    every Q4_1 block, but few Q4_0 or Q4_K ones.
+    every Q4_1 block, but few Q4_0 or Q4_K ones. ``grid_steps`` ([N, K / GROUP]) gives those
+    steps when they are known from the file's codes (``gguf_weights.GgufTensor.grid_steps``,
+    the same numbers the search finds, without searching).
     """
     n, k = weight.shape
     packed = torch.empty(n, k // 2, dtype=torch.uint8, device=weight.device)
@@ -100,7 +104,10 @@ def quantize_int4(weight: torch.Tensor, *, recover_grid: bool = False) -> dict[s
         w = weight[start : start + _ROWS].float()
         w = w.reshape(w.shape[0], k // GROUP, GROUP)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        steps = _grid_steps(w, lo, hi - lo) if recover_grid else 15.0
+        if grid_steps is not None:
+            steps = grid_steps[start : start + _ROWS]
+        else:
+            steps = _grid_steps(w, lo, hi - lo) if recover_grid else 15.0
         s = ((hi - lo) / steps).clamp(min=1e-12)
         q = torch.round((w - lo[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8)
         q = q.reshape(q.shape[0], k)

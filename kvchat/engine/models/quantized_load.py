@@ -137,14 +137,16 @@ def _write_vocab(writer: TensorWriter, target: str, table: LazyTensor) -> None:
     writer.add(f"{target}.scales", torch.cat(scales))
 
 
-def quantize_linear(tensor: torch.Tensor, mode: str, from_gguf: bool) -> dict:
+def quantize_linear(
+    tensor: torch.Tensor, mode: str, from_gguf: bool, grid_steps: torch.Tensor | None = None
+) -> dict:
     """One decoder Linear's small form: int4 (group 32) in int4 mode where the kernel takes
     the shape, else int8 per row. From a GGUF, int4 takes the file's own 4-bit codes (Q4_0,
     Q4_1, Q4_K re-expressed), and a tensor the file kept wider (Q5_*, Q6_K, Q8_0, float)
     goes to int8: requantized to 4 bits, Gemma 3 270M's Q5_0/Q8_0 tensors cost 0.22 nats of
     NLL and a third of its top-1 agreement (benchmarks/bench_weights.py)."""
     if mode == "int4" and qlinear.int4_supported(tensor):
-        parts = qlinear.quantize_int4(tensor, recover_grid=from_gguf)
+        parts = qlinear.quantize_int4(tensor, recover_grid=from_gguf, grid_steps=grid_steps)
         if not from_gguf or qlinear.int4_holds(tensor, parts):
             return parts
     return qlinear.quantize_int8(tensor)
@@ -174,7 +176,7 @@ def _write_small_form(
                 continue
             tensor = lazy.read()
             if attr == "weight" and module in linears:
-                parts = quantize_linear(tensor, mode, from_gguf)
+                parts = quantize_linear(tensor, mode, from_gguf, lazy.grid_steps())
                 for part, value in parts.items():
                     writer.add(f"{module}.{part}", value)
             else:

@@ -67,6 +67,11 @@ class LazyTensor:
     def read(self) -> torch.Tensor:
         return self._read_bytes(self._begin, self.nbytes).view(self.dtype).reshape(self.shape)
 
+    def grid_steps(self) -> torch.Tensor | None:
+        """None: a safetensors tensor carries no quantization codes to read its grid from
+        (``gguf_weights.GgufTensor.grid_steps`` does)."""
+        return None
+
     def rows(self, block: int) -> Iterator[torch.Tensor]:
         """The tensor ``block`` rows (first dimension) at a time, each in memory of its own."""
         if not self.shape:

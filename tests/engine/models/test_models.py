@@ -45,10 +45,16 @@ def _bytes_to_unicode() -> list[str]:
 
 
 def write_tiny_gguf(
-    path: Path, *, hidden: int = 64, layers: int = 2, embedding_type: str | None = None
+    path: Path,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    embedding_type: str | None = None,
+    linear_type: str | None = None,
 ) -> Path:
     """A real, loadable llama-architecture GGUF small enough to convert in seconds; its
-    embedding in ``embedding_type`` (a GGML quantization such as ``Q4_1``) if given."""
+    embedding in ``embedding_type`` (a GGML quantization such as ``Q4_1``) if given, and its
+    decoder matrices in ``linear_type``."""
     import gguf
     import numpy as np
 
@@ -84,7 +90,12 @@ def write_tiny_gguf(
     rng = np.random.default_rng(0)
 
     def rand(name: str, rows: int, cols: int) -> None:
-        writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32))
+        floats = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+        if linear_type is None or name == "token_embd.weight":
+            writer.add_tensor(name, floats)
+        else:
+            kind = gguf.GGMLQuantizationType[linear_type]
+            writer.add_tensor(name, gguf.quants.quantize(floats, kind), raw_dtype=kind)
 
     head_dim = hidden // heads
     if embedding_type is None:
@@ -400,6 +411,35 @@ def test_the_gguf_tensors_are_those_of_transformers_own_gguf_load(
         assert torch.equal(whole, reference[tensor.name]), tensor.name
         read += 1
     assert read == len(list(model.parameters()))  # each weight once (a tied one too)
+
+
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_4_bit_grids_read_from_the_codes_are_those_the_search_finds(
+    tmp_path: Path, linear_type: str
+) -> None:
+    """For Q4_0 and Q4_1 matrices the int4 form's grid steps come from the file's codes
+    (Q/K rows reordered as their values are), and the small form is the one the search over
+    step counts gives; other types have no codes to read (None)."""
+    import torch
+
+    from kvchat.engine.models import qlinear
+    from kvchat.engine.models.gguf_weights import gguf_tensors
+
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", linear_type=linear_type)
+    target = tmp_path / "converted"
+    gguf_conversion.convert_gguf(source, target, "0" * 64, lambda _m: None)
+    matrices = [t for t in gguf_tensors(target) if ".layers." in t.name and len(t.shape) == 2]
+    assert len(matrices) == 14
+    for tensor in matrices:
+        steps = tensor.grid_steps()
+        if linear_type == "Q8_0":
+            assert steps is None
+            continue
+        weight = tensor.read()
+        searched = qlinear.quantize_int4(weight, recover_grid=True)
+        from_codes = qlinear.quantize_int4(weight, recover_grid=True, grid_steps=steps)
+        assert all(torch.equal(searched[k], from_codes[k]) for k in searched), tensor.name
+        assert qlinear.int4_holds(weight, from_codes)
 
 
 @pytest.mark.parametrize(
