@@ -90,9 +90,8 @@ def write_checkpoint(target: Path) -> Path:
 
 
 def measure(row: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from kvchat.engine.chat.generate import generate
     from kvchat.engine.chat.session import ChatSession
-    from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.engine.chat.settings import CacheSettings
     from kvchat.engine.models.load import load
 
     t0 = time.perf_counter()
@@ -100,28 +99,15 @@ def measure(row: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     load_seconds = time.perf_counter() - t0
     session = ChatSession(loaded, cache=CacheSettings(max_mem=row.get("max_mem")))
     ids = common.prompt_from_file(args.ids_file)
-    stamps: list[float] = []
-    tokens: list[int] = []
-    t0 = time.perf_counter()
-    generate(
-        loaded.model,
-        session.cache,
-        ids,
-        device=loaded.device,
-        settings=SamplingSettings(max_new_tokens=args.new_tokens),
-        stop_ids=set(),
-        prefill_chunk=256,
-        on_token=lambda t: stamps.append(time.perf_counter()) or tokens.append(t),
-    )
+    reply = common.timed_reply(loaded, session, ids, args.new_tokens)
     mem = session.memory()
-    return common.reply_figures(len(ids), t0, stamps) | {
+    return reply | {
         "weights": loaded.weights_mode,
         "dtype": loaded.dtype,
         "weights_bytes": loaded.weights_bytes,
         "load_seconds": load_seconds,
         "state_bytes": mem.state_bytes,
         "disk_bytes": mem.disk_bytes,
-        "tokens": tokens,
     }
 
 

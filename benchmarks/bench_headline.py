@@ -77,9 +77,8 @@ def measure_llama(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure_kvchat(args: argparse.Namespace) -> dict[str, Any]:
-    from kvchat.engine.chat.generate import generate
     from kvchat.engine.chat.session import ChatSession
-    from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.engine.chat.settings import CacheSettings
     from kvchat.engine.models.load import load_with
     from kvchat.engine.models.settings import ModelSettings
 
@@ -89,27 +88,8 @@ def measure_kvchat(args: argparse.Namespace) -> dict[str, Any]:
     loaded_at = time.perf_counter()
     session = ChatSession(loaded, cache=CacheSettings(max_mem=args.max_mem or None))
     ids = common.prompt_from_file(args.ids_file)
-    stamps: list[float] = []
-    tokens: list[int] = []
-
-    def on_token(token: int) -> None:
-        stamps.append(time.perf_counter())
-        tokens.append(int(token))
-
-    t0 = time.perf_counter()
-    generate(
-        loaded.model,
-        session.cache,
-        ids,
-        device=loaded.device,
-        settings=SamplingSettings(max_new_tokens=args.new_tokens),
-        stop_ids=set(),
-        prefill_chunk=256,
-        on_token=on_token,
-    )
-    return common.reply_figures(len(ids), t0, stamps) | {
+    return common.timed_reply(loaded, session, ids, args.new_tokens) | {
         "load_s": loaded_at - started,
-        "tokens": tokens,
         "weights": loaded.weights_mode,
         "weights_bytes": loaded.weights_bytes,
         "state_resident_bytes": session.cache.resident_bytes(),

@@ -121,6 +121,33 @@ def stamped_generate(
     return outcome, harness.intervals(calls)
 
 
+def timed_reply(loaded: Any, session: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
+    """Exactly ``new_tokens`` greedy tokens after ``ids`` on ``session``'s cache (prefill in
+    chunks of 256, no stop ids): :func:`reply_figures` of it, with the tokens."""
+    from kvchat.engine.chat.generate import generate
+    from kvchat.engine.chat.settings import SamplingSettings
+
+    stamps: list[float] = []
+    tokens: list[int] = []
+
+    def on_token(token: int) -> None:
+        stamps.append(time.perf_counter())
+        tokens.append(int(token))
+
+    t0 = time.perf_counter()
+    generate(
+        loaded.model,
+        session.cache,
+        ids,
+        device=loaded.device,
+        settings=SamplingSettings(max_new_tokens=new_tokens),
+        stop_ids=set(),
+        prefill_chunk=256,
+        on_token=on_token,
+    )
+    return reply_figures(len(ids), t0, stamps) | {"tokens": tokens}
+
+
 def session_reply(
     loaded: Any,
     prompt: list[int],

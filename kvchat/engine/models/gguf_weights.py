@@ -283,16 +283,10 @@ class GgufTensor:
     def _bytes(self, offset: int, nbytes: int) -> Any:
         import numpy as np
 
+        from kvchat.engine.models.weights_file import read_exactly
+
         raw = np.empty(nbytes, dtype=np.uint8)
-        with open(self.path, "rb", buffering=0) as fh:
-            fh.seek(offset)
-            view = memoryview(raw)
-            got = 0
-            while got < nbytes:
-                n = fh.readinto(view[got:])
-                if not n:
-                    raise OSError(f"{self.path.name} ends inside tensor {self._entry['gguf']!r}")
-                got += n
+        read_exactly(self.path, offset, memoryview(raw), self._entry["gguf"])
         return raw
 
     def _processed(self, values: Any, gguf_name: str) -> Any:

@@ -34,7 +34,14 @@ _DTYPES = {
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
-__all__ = ["LazyTensor", "TensorWriter", "lazy_tensors", "read_header", "read_tensors"]
+__all__ = [
+    "LazyTensor",
+    "TensorWriter",
+    "lazy_tensors",
+    "read_exactly",
+    "read_header",
+    "read_tensors",
+]
 
 
 def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
@@ -85,16 +92,20 @@ class LazyTensor:
 
     def _read_bytes(self, offset: int, nbytes: int) -> torch.Tensor:
         raw = torch.empty(nbytes, dtype=torch.uint8)
-        view = memoryview(raw.numpy())
-        with open(self.path, "rb", buffering=0) as fh:
-            fh.seek(offset)
-            got = 0
-            while got < nbytes:
-                n = fh.readinto(view[got:])
-                if not n:
-                    raise OSError(f"{self.path.name} ends inside tensor {self.name!r}")
-                got += n
+        read_exactly(self.path, offset, memoryview(raw.numpy()), self.name)
         return raw
+
+
+def read_exactly(path: Path, offset: int, into: memoryview, tensor: str) -> None:
+    """Fill ``into`` with the file's bytes from ``offset`` (memory of its own, no map)."""
+    with open(path, "rb", buffering=0) as fh:
+        fh.seek(offset)
+        got = 0
+        while got < len(into):
+            n = fh.readinto(into[got:])
+            if not n:
+                raise OSError(f"{Path(path).name} ends inside tensor {tensor!r}")
+            got += n
 
 
 def lazy_tensors(path: Path, names: list[str] | None = None) -> Iterator[LazyTensor]:
