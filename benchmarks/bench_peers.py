@@ -92,9 +92,7 @@ def given_ids(args: argparse.Namespace) -> list[int]:
 
 
 def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
-    from kvchat.engine.chat.generate import generate
     from kvchat.engine.chat.session import ChatSession
-    from kvchat.engine.chat.settings import SamplingSettings
     from kvchat.engine.models.load import load
 
     every_core = spec.get("decode_on_every_core", False)
@@ -103,20 +101,8 @@ def measure_kvchat(spec: dict, args: argparse.Namespace) -> dict[str, Any]:
         threads=args.threads, decode_threads=args.threads if every_core else None,
     )  # fmt: skip
     session = ChatSession(loaded)
-    ids = given_ids(args)
-    stamps: list[float] = []
-    t0 = time.perf_counter()
-    generate(
-        loaded.model,
-        session.cache,
-        ids,
-        device=loaded.device,
-        settings=SamplingSettings(max_new_tokens=args.new_tokens),
-        stop_ids=set(),
-        prefill_chunk=256,
-        on_token=lambda _t: stamps.append(time.perf_counter()) and None,
-    )
-    return common.reply_figures(len(ids), t0, stamps) | {
+    reply = common.timed_reply(loaded, session, given_ids(args), args.new_tokens)
+    return reply | {
         "weights": loaded.weights_mode,
         "weights_bytes": loaded.weights_bytes,
     }
