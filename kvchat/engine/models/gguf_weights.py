@@ -180,6 +180,11 @@ def gguf_path(model_dir: Path) -> Path:
         size = path.stat().st_size
     except OSError:
         size = None
+    if size != expected and not Path(source["path"]).is_absolute():
+        raise ModelLoadError(
+            f"the GGUF kept in {str(model_dir)!r} is damaged or gone; delete that directory "
+            "and run again to fetch the model anew"
+        )
     if size != expected:
         state = "is gone" if size is None else "has changed"
         raise ModelLoadError(

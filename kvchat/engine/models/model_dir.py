@@ -12,14 +12,25 @@ GGUF_INDEX_NAME = "gguf-tensors.json"
 
 def is_model_dir(path: Path) -> bool:
     """A complete model directory: config, tokenizer, and safetensors weights or (a converted
-    GGUF) the index of the GGUF's weights."""
+    GGUF) the index of the GGUF's weights, with the GGUF itself where the directory keeps it
+    (one elsewhere is looked for when it is read)."""
     if not (path / "config.json").is_file():
         return False
-    has_weights = any(path.glob("*.safetensors")) or (path / GGUF_INDEX_NAME).is_file()
+    has_weights = any(path.glob("*.safetensors")) or (
+        (path / GGUF_INDEX_NAME).is_file() and _kept_gguf_present(path)
+    )
     has_tokenizer = any(
         (path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     )
     return has_weights and has_tokenizer
+
+
+def _kept_gguf_present(path: Path) -> bool:
+    try:
+        where = json.loads((path / "kvchat-source.json").read_text(encoding="utf-8"))["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return Path(where).is_absolute() or (path / where).is_file()
 
 
 def has_chat_template(path: Path) -> bool:

