@@ -1,10 +1,12 @@
 """The headline's scale, side by side with llama.cpp on the same file: a Gemma-3-4B-shaped
 Q4_0 GGUF (random weights, the real Gemma 3 tokenizer).
 
-The file is written once by ``make_shape_gguf.py`` (kept beside this repository in
-``../shared/tools``; ``--make-shape`` points elsewhere) from the Gemma 3 270M GGUF kvchat
-fetches (``kvchat --model gemma-3-270m`` once) and
-``kvchat/engine/kvdirect/configs/gemma-3-4b.json``.
+The file is written once, by the random-weight GGUF writer given with ``--make-shape``
+(``make_shape_gguf.py SOURCE.gguf CONFIG.json OUT.gguf --type Q4_0``: every tensor random
+in the config's shape, every other key, the tokenizer included, copied from SOURCE), from
+the Gemma 3 270M GGUF kvchat fetches (``kvchat --model gemma-3-270m`` once) and
+``kvchat/engine/kvdirect/configs/gemma-3-4b.json``; or pass a file made before with
+``--out-gguf``.
 Every row runs in a process of its own, one after another, as a user would start it:
 
 * ``llama.cpp``: llama-cpp-python's ``Llama`` (n_ctx 4096) on the file: the load, then the
@@ -22,10 +24,9 @@ tok/s (15 / time from the first to the 16th token), RSS after the reply and peak
 (``VmHWM``), and what kvchat's cache holds for the file against the file's size. One run of
 each (a 4B prefill takes minutes on 2 cores); ratios are only meaningful within one run.
 
-llama.cpp must be importable (``pip install llama-cpp-python``; the wheel in
-``../shared/peers`` is built with AVX-512 and dies with an illegal instruction on an
-AVX2-only CPU: build one for the machine, see the README). Without it the llama.cpp row is
-skipped, with a message.
+llama.cpp must be importable (``pip install llama-cpp-python``, built for the machine: a
+wheel built with AVX-512 dies with an illegal instruction on an AVX2-only CPU). Without it
+the llama.cpp row is skipped, with a message.
 
 Run from the repository root: ``python benchmarks/bench_headline.py`` (~20 min on 2 cores).
 """
@@ -50,7 +51,6 @@ import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
 from kvchat.lab import harness  # noqa: E402
 
 CONFIG = common.REPO_ROOT / "kvchat" / "engine" / "kvdirect" / "configs" / "gemma-3-4b.json"
-MAKE_SHAPE = common.REPO_ROOT.parent / "shared" / "tools" / "make_shape_gguf.py"
 LLAMA_CTX = 4096
 CEILING = 64 * 2**20
 
@@ -146,6 +146,8 @@ def shape_gguf(args: argparse.Namespace) -> Path:
     target = Path(args.out_gguf or cache_dir() / "peers" / "gemma-3-4b-shape-Q4_0.gguf")
     if target.is_file():
         return target
+    if not args.make_shape:
+        sys.exit(f"no {target}: pass --make-shape PATH/make_shape_gguf.py to write it")
     target.parent.mkdir(parents=True, exist_ok=True)
     source = source_gguf(args.source)
     harness.say(f"writing {target} from {source} ({args.make_shape})")
@@ -164,7 +166,7 @@ def tree_bytes(root: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--source", default=None, help="the Gemma 3 270M GGUF (default: kvchat's)")
-    parser.add_argument("--make-shape", default=str(MAKE_SHAPE))
+    parser.add_argument("--make-shape", default=None, help="the random-weight GGUF writer")
     parser.add_argument("--out-gguf", default=None, help="where the 4B-shaped GGUF is kept")
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--bounded-context", type=int, default=1000)
