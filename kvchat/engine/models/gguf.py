@@ -31,6 +31,7 @@ from kvchat.engine.models.gguf_weights import (
     ADOPTED_NAME,
     SOURCE_NAME,
     metadata_value,
+    read_layout,
     write_index,
 )
 from kvchat.engine.models.messages import Progress, quiet_transformers
@@ -125,23 +126,28 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from kvchat.engine.models.heap import return_freed_memory
     from kvchat.engine.models.meta_init import parameters_on_meta
 
     with quiet_transformers(), _gguf_progress(say):
+        # kvchat's own reads of the metadata share one parse (20 s for Gemma's 262K tokens),
+        # dropped before transformers parses it again: two parses alive at once took the
+        # default model's first start to 1.32x its final RSS.
+        reader = GGUFReader(str(gguf))
+        overrides = rope_overrides(reader)
+        layout = read_layout(reader)
+        reader.fields.clear()
+        del reader
+        return_freed_memory()
         say("reading the GGUF tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # kvchat's own reads of the metadata share one parse (20 s for Gemma's 262K tokens)
-        reader = GGUFReader(str(gguf))
-        config = AutoConfig.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, **rope_overrides(reader)
-        )
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, **overrides)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.tie_weights()
-        indexed = write_index(gguf, reader, model, _saved_names(model)[0], out)
-        del reader
+        indexed = write_index(gguf, layout, model, _saved_names(model)[0], out)
         if indexed:
             say(f"indexed the weights of {gguf.name}")
         else:

@@ -40,6 +40,7 @@ __all__ = [
     "has_index",
     "load_float_model",
     "metadata_value",
+    "read_layout",
     "record_gguf_path",
     "write_index",
 ]
@@ -88,10 +89,40 @@ def metadata_value(reader: Any, key: str) -> Any:
     return value.tolist()[0] if hasattr(value, "tolist") else value
 
 
-def write_index(gguf: Path, reader: Any, model: Any, saved_as: dict[str, str], out: Path) -> bool:
+def read_layout(reader: Any) -> dict:
+    """What the index needs from gguf's ``GGUFReader`` of a file: its architecture, head
+    counts and each tensor's type, shape and place, so the reader (and its parse of the
+    vocabulary, ~100 MiB of small arrays) can be dropped at once."""
+    architecture = metadata_value(reader, "general.architecture")
+    # The processors read the head counts as the GGUF states them (a key it lacks stays
+    # absent, and then llama.cpp's Q/K order is left as it is, as transformers' loader does).
+    heads = {
+        "num_attention_heads": metadata_value(reader, f"{architecture}.attention.head_count"),
+        "num_key_value_heads": metadata_value(reader, f"{architecture}.attention.head_count_kv"),
+    }
+    tensors = [
+        {
+            "gguf": tensor.name,
+            "type": int(tensor.tensor_type),
+            "dtype": tensor.data.dtype.str,
+            "data_shape": [int(n) for n in tensor.data.shape],
+            "shape": [int(n) for n in reversed(tensor.shape.tolist())],
+            "offset": int(tensor.data_offset),
+            "nbytes": int(tensor.n_bytes),
+        }
+        for tensor in reader.tensors
+    ]
+    return {
+        "architecture": architecture,
+        "heads": {k: _plain(v) for k, v in heads.items() if v is not None},
+        "tensors": tensors,
+    }
+
+
+def write_index(gguf: Path, layout: dict, model: Any, saved_as: dict[str, str], out: Path) -> bool:
     """Write ``out/gguf-tensors.json`` for ``model`` (a skeleton of the GGUF's config) from
-    ``reader`` (gguf's ``GGUFReader`` of ``gguf``) and return True; False (nothing
-    written) for an architecture whose tensor processor builds tensors across GGUF tensors.
+    the GGUF's ``layout`` (:func:`read_layout`) and return True; False (nothing written) for
+    an architecture whose tensor processor builds tensors across GGUF tensors.
 
     ``saved_as`` maps each state-dict name that takes a GGUF tensor to the name its tensor is
     saved under (tied weights share one, and only the input embedding of a tied group takes
@@ -103,34 +134,17 @@ def write_index(gguf: Path, reader: Any, model: Any, saved_as: dict[str, str], o
         get_gguf_hf_weights_map,
     )
 
-    architecture = metadata_value(reader, "general.architecture")
-    # The processors read the head counts as the GGUF states them (a key it lacks stays
-    # absent, and then llama.cpp's Q/K order is left as it is, as transformers' loader does).
-    heads = {
-        "num_attention_heads": metadata_value(reader, f"{architecture}.attention.head_count"),
-        "num_key_value_heads": metadata_value(reader, f"{architecture}.attention.head_count_kv"),
-    }
-    heads = {k: v for k, v in heads.items() if v is not None}
+    architecture, heads = layout["architecture"], layout["heads"]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=heads)
     kind = _processor_kind(processor)
     if kind is None:
         return False
     mapping = get_gguf_hf_weights_map(model, processor)
     tensors = []
-    for tensor in reader.tensors:
-        name = mapping.get(tensor.name)
-        tensors.append(
-            {
-                "gguf": tensor.name,
-                "name": name if name in saved_as else None,
-                "type": int(tensor.tensor_type),
-                "dtype": tensor.data.dtype.str,
-                "data_shape": [int(n) for n in tensor.data.shape],
-                "shape": [int(n) for n in reversed(tensor.shape.tolist())],
-                "offset": int(tensor.data_offset),
-                "nbytes": int(tensor.n_bytes),
-            }
-        )
+    for tensor in layout["tensors"]:
+        name = mapping.get(tensor["gguf"])
+        entry = {"gguf": tensor["gguf"], "name": name if name in saved_as else None}
+        tensors.append(entry | tensor)
     filled = {saved_as[t["name"]] for t in tensors if t["name"] is not None}
     state = model.state_dict()
     missing = sorted(n for n in set(saved_as.values()) - filled if state[n].device.type == "meta")
@@ -140,7 +154,7 @@ def write_index(gguf: Path, reader: Any, model: Any, saved_as: dict[str, str], o
         "format": FORMAT,
         "architecture": architecture,
         "processor": kind,
-        "heads": _plain(heads),
+        "heads": heads,
         "gguf_bytes": gguf.stat().st_size,
         "tensors": tensors,
     }
