@@ -178,8 +178,9 @@ def _read_index(model_dir: Path) -> dict:
     return index
 
 
-def gguf_path(model_dir: Path) -> Path:
-    """The GGUF a converted directory reads its weights from (checked to exist, same size)."""
+def gguf_path(model_dir: Path, index: dict | None = None) -> Path:
+    """The GGUF a converted directory reads its weights from (checked to exist, same size);
+    ``index``: the directory's index, when the caller has read it already."""
     model_dir = Path(model_dir)
     try:
         source = json.loads((model_dir / SOURCE_NAME).read_text(encoding="utf-8"))
@@ -189,7 +190,7 @@ def gguf_path(model_dir: Path) -> Path:
             f"{str(model_dir)!r} does not say which GGUF it was converted from; delete it and "
             "run again with the .gguf file"
         ) from None
-    expected = _read_index(model_dir)["gguf_bytes"]
+    expected = (index or _read_index(model_dir))["gguf_bytes"]
     try:
         size = path.stat().st_size
     except OSError:
@@ -332,7 +333,7 @@ class GgufTensor:
 def gguf_tensors(model_dir: Path) -> Iterator[GgufTensor]:
     """Each model tensor of the converted GGUF in ``model_dir``, in file order."""
     index = _read_index(model_dir)
-    path = gguf_path(model_dir)
+    path = gguf_path(model_dir, index)
     for entry in index["tensors"]:
         if entry["name"] is not None:
             yield GgufTensor(path, entry, index)
@@ -341,20 +342,13 @@ def gguf_tensors(model_dir: Path) -> Iterator[GgufTensor]:
 def load_float_model(model_dir: Path, config: Any, dtype: Any, attn_implementation: str) -> Any:
     """The model of a converted GGUF with float weights in ``dtype``, dequantized at load one
     tensor at a time (``--weights none``), in eval mode."""
-    from torch import nn
-
     from kvchat.engine.models.heap import return_freed_memory
-    from kvchat.engine.models.meta_init import empty_model
+    from kvchat.engine.models.meta_init import empty_model, fill_tensor
 
     model = empty_model(config, dtype, attn_implementation)
     for tensor in gguf_tensors(model_dir):
-        parent, _, attr = tensor.name.rpartition(".")
-        module = model.get_submodule(parent) if parent else model
         values = tensor.read().to(dtype)
-        if attr in dict(module.named_parameters(recurse=False)):
-            setattr(module, attr, nn.Parameter(values, requires_grad=False))
-        else:
-            module.register_buffer(attr, values)
+        fill_tensor(model, tensor.name, values)
         del values
         return_freed_memory()
     model.tie_weights()

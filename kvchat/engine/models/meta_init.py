@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["empty_model", "parameters_on_meta"]
+__all__ = ["empty_model", "fill_tensor", "parameters_on_meta"]
 
 
 @contextmanager
@@ -56,3 +56,16 @@ def empty_model(config: Any, dtype: Any, attn_implementation: str) -> Any:
             return AutoModelForCausalLM.from_config(
                 config, dtype=dtype, attn_implementation="eager"
             )
+
+
+def fill_tensor(model: Any, name: str, tensor: Any) -> None:
+    """Set the state-dict entry ``name`` of a skeleton to ``tensor``: as a frozen parameter
+    where the module has a parameter of that name, else as a buffer."""
+    from torch import nn
+
+    parent, _, attr = name.rpartition(".")
+    module = model.get_submodule(parent) if parent else model
+    if attr in dict(module.named_parameters(recurse=False)):
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+    else:
+        module.register_buffer(attr, tensor)

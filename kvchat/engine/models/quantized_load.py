@@ -30,7 +30,7 @@ from torch import nn
 from kvchat.engine.models import gguf_weights, qlinear
 from kvchat.engine.models.fused import fuse_siblings
 from kvchat.engine.models.heap import return_freed_memory
-from kvchat.engine.models.meta_init import empty_model
+from kvchat.engine.models.meta_init import empty_model, fill_tensor
 from kvchat.engine.models.weights_file import (
     LazyTensor,
     TensorWriter,
@@ -216,7 +216,7 @@ def _load_small_form(
             tensor = tensor.to(device)
         module, _, attr = name.rpartition(".")
         if attr not in _PARTS:
-            _set_tensor(model, name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+            fill_tensor(model, name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
             continue
         parts = pending.setdefault(module, {})
         parts[attr] = tensor
@@ -282,12 +282,3 @@ def _set_vocab(
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    parent, _, attr = name.rpartition(".")
-    module = model.get_submodule(parent) if parent else model
-    if attr in dict(module.named_parameters(recurse=False)):
-        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
-    else:
-        module.register_buffer(attr, tensor)
