@@ -43,7 +43,16 @@ PORTABLE_FLAGS = [f for f in _FLAGS if f != "-march=native"] + ["-mno-avx512f"]
 AVX2_FLAGS = [*PORTABLE_FLAGS, "-mavx2", "-mfma"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
-__all__ = ["AttentionState", "available", "exact_attention", "usable", "window_of"]
+__all__ = [
+    "AttentionState",
+    "available",
+    "built_library",
+    "compile_kernel",
+    "compiler",
+    "exact_attention",
+    "usable",
+    "window_of",
+]
 
 _library: ctypes.CDLL | None | bool = False  # False: not looked for yet
 
@@ -60,9 +69,9 @@ def compiler() -> str | None:
     return next((f for c in ("cc", "gcc", "clang") if (f := shutil.which(c))), None)
 
 
-def _machine_key(cc: str) -> str:
+def _machine_key(cc: str, source: Path = SOURCE) -> str:
     """Source, compiler and this CPU's features: -march=native builds for this processor."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(source.read_bytes())
     digest.update(f"{cc}|{' '.join(_FLAGS)}|{platform.machine()}|{sys.platform}".encode())
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -72,14 +81,16 @@ def _machine_key(cc: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def compile_kernel(cc: str, target: Path, flags: list[str] | None = None) -> bool:
-    """Compile the kernel into ``target`` (written aside, then renamed: two processes never
-    load half a file); False if the compiler fails."""
+def compile_kernel(
+    cc: str, target: Path, flags: list[str] | None = None, source: Path = SOURCE
+) -> bool:
+    """Compile the kernel (or another of kvchat's C files) into ``target`` (written aside,
+    then renamed: two processes never load half a file); False if the compiler fails."""
     temporary = target.with_suffix(f".{os.getpid()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         done = subprocess.run(
-            [cc, *(flags or _FLAGS), str(SOURCE), "-o", str(temporary), "-lm", "-pthread"],
+            [cc, *(flags or _FLAGS), str(source), "-o", str(temporary), "-lm", "-pthread"],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=120,
@@ -115,16 +126,23 @@ def load_kernel(path: Path) -> ctypes.CDLL | None:
     return library
 
 
-def _build() -> ctypes.CDLL | None:
+def built_library(source: Path) -> Path | None:
+    """``source`` compiled for this machine into the user cache (once; later calls find it),
+    or None without a working C compiler."""
     from kvchat.paths import cache_dir
 
     cc = compiler()
     if cc is None:
         return None
-    target = cache_dir() / "native" / f"exact_attention-{_machine_key(cc)}.so"
-    if not target.exists() and not compile_kernel(cc, target):
+    target = cache_dir() / "native" / f"{source.stem}-{_machine_key(cc, source)}.so"
+    if not target.exists() and not compile_kernel(cc, target, source=source):
         return None
-    return load_kernel(target)
+    return target
+
+
+def _build() -> ctypes.CDLL | None:
+    target = built_library(SOURCE)
+    return None if target is None else load_kernel(target)
 
 
 def _kernel() -> ctypes.CDLL | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvchat.engine.models import int4_kernel
 from kvchat.engine.models.heap import return_freed_memory
 from kvchat.engine.models.qlinear import Int4Linear, Int8Embedding, Int8Linear, int4_mm, int8_mm
 
@@ -50,10 +51,15 @@ class ProjectionGroup(nn.Module):
         super().__init__()
         self.entries = entries
         self.int4 = isinstance(members[0], Int4Linear)
+        # Which kernel runs the stack: "kvchat" or "torch" (int4, Int4Linear.form), "int8".
+        self.form = members[0].form if self.int4 else "int8"
         self.in_features = members[0].in_features
         widths = [m.out_features for m in members]
         self.starts = [sum(widths[:i]) for i in range(len(widths) + 1)]
-        if self.int4:
+        if self.form == "kvchat":
+            self.register_buffer("packed", torch.cat([m.packed for m in members]))
+            scales = [m.scale_min for m in members]
+        elif self.int4:
             self.register_buffer("packed", torch.cat([m.packed for m in members]))
             scales = [m.scales_and_zeros for m in members]
         else:
@@ -61,7 +67,7 @@ class ProjectionGroup(nn.Module):
             scales = [m.kernel_scales for m in members]
         # The kernels take contiguous scales: one tensor per first member (a few KB each).
         for i in entries:
-            tail = torch.cat(scales[i:], dim=-2 if self.int4 else 0).contiguous()
+            tail = torch.cat(scales[i:], dim=-2 if self.form == "torch" else 0).contiguous()
             self.register_buffer(f"scales_from_{i}", tail)
         for i, m in enumerate(members):
             if m.bias is not None:
@@ -125,6 +131,9 @@ class ProjectionGroup(nn.Module):
 
     def _run(self, plan: _Plan, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.form == "kvchat":
+            y = int4_kernel.matmul(rows, plan.weight, plan.scales, plan.weight.shape[0])
+            return y.to(rows.dtype)
         return (int4_mm if self.int4 else int8_mm)(rows, plan.weight, plan.scales)
 
     def forget(self) -> None:
@@ -225,7 +234,9 @@ def _fusable(members: list[nn.Module | None]) -> bool:
         return False
     kind = type(members[0])
     if kind is Int4Linear:
-        ok = all(type(m) is Int4Linear and not m.portable for m in members)
+        forms = {m.form for m in members if type(m) is Int4Linear}
+        ok = all(type(m) is Int4Linear for m in members) and len(forms) == 1
+        ok = ok and "portable" not in forms
     elif kind is Int8Linear:
         ok = all(type(m) is Int8Linear and m.qweight.is_cpu and not m.refine_top for m in members)
     else:

@@ -245,15 +245,28 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """``y = x @ W.T + b``, ``W`` int4 per group, ``_weight_int4pack_mm_for_cpu`` on CPU."""
+    """``y = x @ W.T + b``, ``W`` int4 per group.
+
+    ``form`` says which kernel runs it: ``"kvchat"`` (CPU, ``kvchat.engine.models.int4_kernel``,
+    float32 activations) where that kernel is built, else ``"torch"`` (CPU,
+    ``_weight_int4pack_mm_for_cpu``, bf16 activations), and ``"portable"`` off the CPU
+    (dequantized per call). ``packed`` is that kernel's weight, and ``scale_min`` (kvchat's)
+    or ``scales_and_zeros`` (torch's) its group scales."""
 
     def __init__(self, parts: dict[str, torch.Tensor], bias: torch.Tensor | None) -> None:
         super().__init__()
+        from kvchat.engine.models import int4_kernel
+
         packed = parts["qweight"]
         self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        if packed.is_cpu:
-            # The kernel's layouts only: the portable nibbles are not kept beside them.
+        # The kernel's layouts only: the portable nibbles are not kept beside them.
+        if packed.is_cpu and int4_kernel.available():
+            codes, scale_min = int4_kernel.kernel_form(packed, parts["scales"], parts["zeros"])
+            self.register_buffer("packed", codes)
+            self.register_buffer("scale_min", scale_min)
+            self.form = "kvchat"
+        elif packed.is_cpu:
             self.register_buffer(
                 "packed",
                 torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -267,16 +280,25 @@ class Int4Linear(nn.Module):
                 .contiguous()
                 .to(torch.bfloat16),
             )
-            self.portable = False
+            self.form = "torch"
         else:
             self.register_buffer("packed", packed)
             self.register_buffer("scales", parts["scales"])
             self.register_buffer("zeros", parts["zeros"])
-            self.portable = True
+            self.form = "portable"
+
+    @property
+    def portable(self) -> bool:
+        return self.form == "portable"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if not self.portable:
+        if self.form == "kvchat":
+            from kvchat.engine.models import int4_kernel
+
+            y = int4_kernel.matmul(rows, self.packed, self.scale_min, self.out_features)
+            y = y.to(x.dtype)
+        elif self.form == "torch":
             y = int4_mm(rows, self.packed, self.scales_and_zeros)
         else:
             q = _unpack_int4(self.packed).to(x.dtype).reshape(self.out_features, -1, GROUP)
@@ -287,7 +309,7 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int4 group {GROUP}"
+        return f"in={self.in_features}, out={self.out_features}, int4 group {GROUP}, {self.form}"
 
 
 class Int8Embedding(nn.Module):

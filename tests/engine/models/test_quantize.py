@@ -65,7 +65,7 @@ def test_int4_of_a_q4_1_block_is_exact() -> None:
     w = (d * q + m).reshape(64, 128)
     parts = qlinear.quantize_int4(w)
     back = qlinear.Int4Linear({k: v.clone() for k, v in parts.items()}, None)
-    back.portable = True  # compare the stored form itself, in float32
+    back.form = "portable"  # compare the stored form itself, in float32
     back.register_buffer("packed", parts["qweight"])
     back.register_buffer("scales", parts["scales"])
     back.register_buffer("zeros", parts["zeros"])

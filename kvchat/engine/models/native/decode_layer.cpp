@@ -6,10 +6,13 @@
 // only, not the interpreter and torch's Python bindings.
 //
 // A projection is (weight, scales, group): group > 0 is torch's int4 CPU kernel with that
-// group size, group == 0 its int8 kernel. Activations are float32, cast to bfloat16 around
-// the kernels as kvchat/engine/models/qlinear.py does.
+// group size, group == 0 its int8 kernel, with activations cast to bfloat16 around them as
+// kvchat/engine/models/qlinear.py does; group == -1 is kvchat's int4 kernel
+// (kvchat/engine/models/int4_kernel.c, float32 activations), called through the address of
+// the function the Python side loaded, so both sides run the same compiled code.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <tuple>
@@ -24,7 +27,23 @@ Tensor rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
   return weight * (hidden * at::rsqrt(variance + eps));
 }
 
-Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int64_t group) {
+using Int4Kernel = void (*)(const float*, int64_t, int64_t, const uint8_t*, const uint16_t*,
+                            int64_t, float*, float*, int32_t);
+
+Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int64_t group,
+               int64_t kernel) {
+  if (group == -1) {
+    auto rows = x.reshape({-1, x.size(-1)}).contiguous();
+    const int64_t m = rows.size(0), k = rows.size(1), n = weight.size(0);
+    auto out = at::empty({m, n}, rows.options());
+    auto scratch = at::empty({m * (k / 32)}, rows.options());
+    reinterpret_cast<Int4Kernel>(kernel)(
+        rows.data_ptr<float>(), m, k, weight.data_ptr<uint8_t>(),
+        reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), n,
+        out.data_ptr<float>(), scratch.data_ptr<float>(),
+        static_cast<int32_t>(at::get_num_threads()));
+    return out;
+  }
   auto rows = x.reshape({-1, x.size(-1)}).to(at::kBFloat16);
   auto out = group > 0 ? at::_weight_int4pack_mm_for_cpu(rows, weight, group, scales)
                        : at::_weight_int8pack_mm(rows, weight, scales);
@@ -36,9 +55,9 @@ Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int6
 std::tuple<Tensor, Tensor, Tensor> before_attention(
     const Tensor& hidden, const Tensor& norm_weight, double eps, const Tensor& qkv_weight,
     const Tensor& qkv_scales, int64_t qkv_group, int64_t q_width, int64_t k_width,
-    int64_t head_dim, const Tensor& cos, const Tensor& sin) {
+    int64_t head_dim, const Tensor& cos, const Tensor& sin, int64_t kernel) {
   auto x = rms_norm(hidden, norm_weight, eps);
-  auto stacked = project(x, qkv_weight, qkv_scales, qkv_group);
+  auto stacked = project(x, qkv_weight, qkv_scales, qkv_group, kernel);
   auto qk = stacked.slice(1, 0, q_width + k_width).view({1, 1, -1, head_dim}).transpose(1, 2);
   auto half = head_dim / 2;
   auto rotated = at::cat({-qk.slice(-1, half), qk.slice(-1, 0, half)}, -1);
@@ -55,14 +74,14 @@ Tensor after_attention(
     const Tensor& o_scales, int64_t o_group, const Tensor& norm_weight, double eps,
     const Tensor& gate_up_weight, const Tensor& gate_up_scales, int64_t gate_up_group,
     int64_t gate_width, const Tensor& down_weight, const Tensor& down_scales,
-    int64_t down_group) {
-  auto o = project(attended, o_weight, o_scales, o_group);
+    int64_t down_group, int64_t kernel) {
+  auto o = project(attended, o_weight, o_scales, o_group, kernel);
   auto hidden = residual + o.reshape({1, 1, -1});
   auto x = rms_norm(hidden, norm_weight, eps);
-  auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group);
+  auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group, kernel);
   auto gate = gate_up.slice(1, 0, gate_width).reshape({1, 1, -1});
   auto up = gate_up.slice(1, gate_width).reshape({1, 1, -1});
-  auto down = project(at::silu(gate) * up, down_weight, down_scales, down_group);
+  auto down = project(at::silu(gate) * up, down_weight, down_scales, down_group, kernel);
   return hidden + down.reshape({1, 1, -1});
 }
 
@@ -72,12 +91,12 @@ TORCH_LIBRARY(kvchat_native, m) {
   m.def(
       "before_attention(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_weight, "
       "Tensor qkv_scales, int qkv_group, int q_width, int k_width, int head_dim, Tensor cos, "
-      "Tensor sin) -> (Tensor, Tensor, Tensor)",
+      "Tensor sin, int kernel) -> (Tensor, Tensor, Tensor)",
       before_attention);
   m.def(
       "after_attention(Tensor residual, Tensor attended, "
       "Tensor o_weight, Tensor o_scales, int o_group, Tensor norm_weight, float eps, "
       "Tensor gate_up_weight, Tensor gate_up_scales, int gate_up_group, int gate_width, "
-      "Tensor down_weight, Tensor down_scales, int down_group) -> Tensor",
+      "Tensor down_weight, Tensor down_scales, int down_group, int kernel) -> Tensor",
       after_attention);
 }

@@ -23,6 +23,7 @@ from torch import nn
 __all__ = ["NativeLayers", "load_library", "serves"]
 
 _loaded: set[str] = set()
+KVCHAT_INT4 = -1  # the group argument that selects kvchat's int4 kernel
 
 
 def load_library(path: str) -> bool:
@@ -39,13 +40,15 @@ def load_library(path: str) -> bool:
 
 def _projection(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """(weight, scales, group) of a lone quantized CPU projection without bias, else None
-    (group 0: int8)."""
+    (group 0: int8; -1: kvchat's int4 kernel)."""
     from kvchat.engine.models.qlinear import GROUP, Int4Linear, Int8Linear
 
     if getattr(module, "bias", None) is not None:
         return None
-    if type(module) is Int4Linear and not module.portable:
+    if type(module) is Int4Linear and module.form == "torch":
         return module.packed, module.scales_and_zeros, GROUP
+    if type(module) is Int4Linear and module.form == "kvchat":
+        return module.packed, module.scale_min, KVCHAT_INT4
     if (
         type(module) is Int8Linear
         and module.qweight.is_cpu
@@ -62,7 +65,7 @@ def _stacked(group: Any) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     if group is None or group.has_bias:
         return None
     weight, scales = group.kernel_operands()
-    return weight, scales, GROUP if group.int4 else 0
+    return weight, scales, {"kvchat": KVCHAT_INT4, "torch": GROUP, "int8": 0}[group.form]
 
 
 def _is_silu(act: nn.Module) -> bool:
@@ -106,6 +109,9 @@ class NativeLayers:
                 (*_projection(layer.o_proj), *post_norm)
                 + (*_stacked(layer.gate_up), layer.gate_up.widths[0], *_projection(layer.down))
             )
+        from kvchat.engine.models import int4_kernel
+
+        self.kernel = int4_kernel.function_address()
         ops = torch.ops.kvchat_native
         self._before_op = ops.before_attention
         self._after_op = ops.after_attention
@@ -113,13 +119,13 @@ class NativeLayers:
     def before_attention(
         self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._before_op(hidden, *self.before[index], cos, sin)
+        return self._before_op(hidden, *self.before[index], cos, sin, self.kernel)
 
     def after_attention(
         self, index: int, residual: torch.Tensor, attended: torch.Tensor
     ) -> torch.Tensor:
         """The layer's output from its input and its attention output ([1, 1, H * d])."""
-        return self._after_op(residual, attended, *self.after[index])
+        return self._after_op(residual, attended, *self.after[index], self.kernel)
 
     def agrees(self, step: Any) -> bool:
         """Whether layer 0 gives the Python step's bits, on random inputs."""

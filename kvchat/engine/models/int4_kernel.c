@@ -1,0 +1,198 @@
+/* kvchat's int4 weight kernel: out[r][n] = sum_k x[r][k] * W[n][k] with float32 activations.
+
+   Why: torch's int4 CPU kernel casts activations to bf16, and on CPUs without AVX-512 it is
+   compute bound well under the memory's speed. Here each weight group is unpacked once into
+   floats and multiplied with float32 activations, so a decode step reads the weights about
+   as fast as the memory delivers them and keeps float32's precision.
+
+   Weights (kvchat.engine.models.int4_kernel): codes uint8 [N][K/2], where byte j of group g
+   holds column 32g + j in its low nibble and column 32g + 16 + j in its high nibble (GGUF's
+   Q4 block order); scale_min fp16 [N][2][K/32]: each row's group scales, then its group
+   minimums, so that W[n][32g + j] = q * scale + min.
+
+   Exactness: every output is summed in one fixed order that depends on neither the row count
+   nor the thread count nor the build: a row's result is the same alone or in a prefill chunk,
+   and the plain C below computes the AVX2 code's operations in the AVX2 code's order (fmaf
+   where it uses FMA; built with -ffp-contract=off), so both builds give the same bits. */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVCHAT_AVX2 1
+#endif
+
+#define GROUP 32
+#define ROW_TILE 4 /* activation rows sharing one unpacked weight group */
+
+typedef struct {
+  const float *x;
+  const float *xsum;
+  int64_t rows, k;
+  const uint8_t *codes;
+  const uint16_t *scale_min;
+  int64_t n;
+  float *out;
+  int64_t n0, n1;
+} Job;
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else { /* subnormal: normalize */
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      exponent--;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float out;
+  memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+/* The sum of 8 lanes in the order the AVX2 code adds them. */
+static inline float lane_sum(const float *l) {
+  const float a0 = l[0] + l[4], a1 = l[1] + l[5], a2 = l[2] + l[6], a3 = l[3] + l[7];
+  return (a0 + a2) + (a1 + a3);
+}
+
+#ifdef KVCHAT_AVX2
+static inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 pair = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+#endif
+
+/* Each group's activation sum, for the minimums' term. */
+static void group_sums(const float *x, int64_t rows, int64_t k, float *xsum) {
+  const int64_t groups = k / GROUP;
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < groups; g++) {
+      const float *p = x + r * k + GROUP * g;
+#ifdef KVCHAT_AVX2
+      __m256 a = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                               _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+      xsum[r * groups + g] = hsum8(a);
+#else
+      float lanes[8];
+      for (int l = 0; l < 8; l++) lanes[l] = (p[l] + p[8 + l]) + (p[16 + l] + p[24 + l]);
+      xsum[r * groups + g] = lane_sum(lanes);
+#endif
+    }
+}
+
+static void rows_tile(const Job *job, int64_t r0, int64_t nr) {
+  const int64_t k = job->k, groups = k / GROUP;
+  for (int64_t n = job->n0; n < job->n1; n++) {
+    const uint8_t *codes = job->codes + n * (k / 2);
+    const uint16_t *scale = job->scale_min + n * 2 * groups, *minv = scale + groups;
+#ifdef KVCHAT_AVX2
+    const __m256i low8 = _mm256_set1_epi32(0x0f);
+    __m256 total[ROW_TILE];
+    for (int r = 0; r < nr; r++) total[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 16 * g)));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 16 * g + 8)));
+      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low8));
+      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low8));
+      const __m256 q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+      const __m256 q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+      const __m256 s = _mm256_set1_ps(_cvtsh_ss(scale[g]));
+      for (int r = 0; r < nr; r++) {
+        const float *x = job->x + (r0 + r) * k + GROUP * g;
+        __m256 a = _mm256_mul_ps(q0, _mm256_loadu_ps(x));
+        a = _mm256_fmadd_ps(q1, _mm256_loadu_ps(x + 8), a);
+        a = _mm256_fmadd_ps(q2, _mm256_loadu_ps(x + 16), a);
+        a = _mm256_fmadd_ps(q3, _mm256_loadu_ps(x + 24), a);
+        total[r] = _mm256_fmadd_ps(a, s, total[r]);
+      }
+    }
+    for (int r = 0; r < nr; r++) {
+      const float *xs = job->xsum + (r0 + r) * groups;
+      __m256 m = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8)
+        m = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minv + g))),
+                            _mm256_loadu_ps(xs + g), m);
+      float rest = 0.0f;
+      for (; g < groups; g++) rest = fmaf(_cvtsh_ss(minv[g]), xs[g], rest);
+      job->out[(r0 + r) * job->n + n] = hsum8(total[r]) + (hsum8(m) + rest);
+    }
+#else
+    float total[ROW_TILE][8];
+    memset(total, 0, sizeof total);
+    for (int64_t g = 0; g < groups; g++) {
+      float q[GROUP];
+      for (int j = 0; j < 16; j++) {
+        q[j] = (float)(codes[16 * g + j] & 0x0f);
+        q[16 + j] = (float)(codes[16 * g + j] >> 4);
+      }
+      const float s = half_to_float(scale[g]);
+      for (int r = 0; r < nr; r++) {
+        const float *x = job->x + (r0 + r) * k + GROUP * g;
+        for (int l = 0; l < 8; l++) {
+          float a = q[l] * x[l];
+          a = fmaf(q[8 + l], x[8 + l], a);
+          a = fmaf(q[16 + l], x[16 + l], a);
+          a = fmaf(q[24 + l], x[24 + l], a);
+          total[r][l] = fmaf(a, s, total[r][l]);
+        }
+      }
+    }
+    for (int r = 0; r < nr; r++) {
+      const float *xs = job->xsum + (r0 + r) * groups;
+      float m[8] = {0};
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8)
+        for (int l = 0; l < 8; l++) m[l] = fmaf(half_to_float(minv[g + l]), xs[g + l], m[l]);
+      float rest = 0.0f;
+      for (; g < groups; g++) rest = fmaf(half_to_float(minv[g]), xs[g], rest);
+      job->out[(r0 + r) * job->n + n] = lane_sum(total[r]) + (lane_sum(m) + rest);
+    }
+#endif
+  }
+}
+
+static void *run_job(void *arg) {
+  const Job *job = (const Job *)arg;
+  for (int64_t r = 0; r < job->rows; r += ROW_TILE)
+    rows_tile(job, r, job->rows - r < ROW_TILE ? job->rows - r : ROW_TILE);
+  return NULL;
+}
+
+/* out [rows][n] = x [rows][k] times W [n][k] transposed; xsum is scratch of rows * k / 32
+   floats. Threads split the output columns, which changes no sum. */
+void kvchat_int4_matmul(const float *x, int64_t rows, int64_t k, const uint8_t *codes,
+                        const uint16_t *scale_min, int64_t n, float *out, float *xsum,
+                        int32_t threads) {
+  group_sums(x, rows, k, xsum);
+  /* A thread costs tens of microseconds to start: only for a million weights and up. */
+  if ((double)n * (double)k * (double)(rows < 4 ? rows : 4) < 1.0e6) threads = 1;
+  if (threads > 16) threads = 16;
+  if (threads < 1) threads = 1;
+  Job jobs[16];
+  pthread_t ids[16];
+  const int64_t per = (n + threads - 1) / threads;
+  for (int32_t t = 0; t < threads; t++) {
+    const int64_t n0 = t * per < n ? t * per : n, n1 = (t + 1) * per < n ? (t + 1) * per : n;
+    jobs[t] = (Job){x, xsum, rows, k, codes, scale_min, n, out, n0, n1};
+  }
+  int32_t started = 1;
+  for (; started < threads; started++)
+    if (pthread_create(&ids[started], NULL, run_job, &jobs[started]) != 0) break;
+  for (int32_t t = started; t < threads; t++) run_job(&jobs[t]); /* what could not start */
+  run_job(&jobs[0]);
+  for (int32_t t = 1; t < started; t++) pthread_join(ids[t], NULL);
+}

@@ -1,0 +1,112 @@
+"""kvchat's int4 weight kernel (``int4_kernel.c``): float32 activations, one fixed summation
+order, loaded with ctypes.
+
+Why not torch's ``_weight_int4pack_mm_for_cpu`` alone: it casts activations to bf16, and on a
+CPU without AVX-512 it is compute bound well below the memory's speed. On the 2-core AVX2
+EPYC this kernel took 0.4-0.6x torch's time for one row over Gemma-3-4B's layer shapes and
+0.8x for a 64-row prefill chunk (``benchmarks/bench_int4_kernel.py``), with float32's
+precision instead of bf16's.
+
+Exactness: a row's output is summed in one order whatever the row count and thread count
+(a decode row and the same row in a prefill chunk get the same bits), and the plain C build
+computes the AVX2 build's operations in its order (tests compare the two).
+
+It is built like the attention kernel (the C compiler on PATH, once per machine, into the
+user cache). Without a compiler, off the CPU, or with ``KVCHAT_INT4_KERNEL=0``, int4 layers
+run torch's kernel (:func:`available` says which).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("int4_kernel.c")
+GROUP = 32
+
+__all__ = ["SOURCE", "available", "function_address", "kernel_form", "load", "matmul"]
+
+_library: ctypes.CDLL | None | bool = False  # False: not looked for yet
+
+
+def _enabled() -> bool:
+    flag = os.environ.get("KVCHAT_INT4_KERNEL", "1").strip().lower()
+    return flag not in {"0", "off", "false", "no"}
+
+
+def load(path: Path) -> ctypes.CDLL | None:
+    """The library at ``path`` with its function's signature, or None."""
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    function = library.kvchat_int4_matmul
+    function.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int32]
+    function.restype = None
+    return library
+
+
+def _kernel() -> ctypes.CDLL | None:
+    global _library
+    if _library is False:
+        _library = None
+        if _enabled():
+            from kvchat.engine.kvdirect.exact_attention import built_library
+
+            path = built_library(SOURCE)
+            _library = None if path is None else load(path)
+    return _library or None
+
+
+def available() -> bool:
+    """Whether CPU int4 layers run this kernel (builds it if need be)."""
+    return _kernel() is not None
+
+
+def function_address() -> int:
+    """The address of the loaded kernel's function (the C++ decode layers call it), 0 when
+    it is not built."""
+    kernel = _kernel()
+    if kernel is None:
+        return 0
+    return ctypes.cast(kernel.kvchat_int4_matmul, ctypes.c_void_p).value or 0
+
+
+def kernel_form(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's ``(codes, scale_min)`` from kvchat's stored int4 form (``qweight`` uint8
+    ``[N, K/2]``, low nibble the even column; ``w = (q - 8) * scales + zeros`` per group).
+
+    The minimum is ``zeros - 8 * scales``, in fp16 like the scale: a GGUF Q4_0 or Q4_1
+    block's own fp16 numbers come back exactly."""
+    n, half = qweight.shape
+    groups = half * 2 // GROUP
+    low, high = qweight & 0x0F, qweight >> 4
+    # Columns back in order, then each group's columns 0-15 in low nibbles, 16-31 in high.
+    columns = torch.stack([low, high], dim=-1).reshape(n, groups, GROUP)
+    codes = (columns[..., :16] | (columns[..., 16:] << 4)).reshape(n, half).contiguous()
+    minimum = zeros.float() - 8 * scales.float()
+    scale_min = torch.stack([scales.float(), minimum], dim=1).to(torch.float16).contiguous()
+    return codes, scale_min
+
+
+def matmul(
+    rows: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """``rows @ W.T`` in float32 (``rows`` ``[M, K]``; ``codes``/``scale_min`` may be a row
+    range of a larger contiguous weight)."""
+    kernel = _kernel()
+    x = rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.float().contiguous()
+    m, k = x.shape
+    out = torch.empty(m, out_features)
+    scratch = torch.empty(m * (k // GROUP))
+    kernel.kvchat_int4_matmul(
+        x.data_ptr(), m, k, codes.data_ptr(), scale_min.data_ptr(), out_features,
+        out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out

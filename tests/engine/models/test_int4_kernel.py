@@ -1,0 +1,111 @@
+"""kvchat's int4 kernel: the right sums, one summation order for any row count, thread count
+or build, and GGUF's Q4 numbers kept exactly."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from kvchat.engine.kvdirect.exact_attention import PORTABLE_FLAGS, compile_kernel, compiler
+from kvchat.engine.models import int4_kernel, qlinear
+
+pytestmark = pytest.mark.skipif(not int4_kernel.available(), reason="no C compiler")
+
+
+def _layer(n: int, k: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], qlinear.Int4Linear]:
+    torch.manual_seed(seed)
+    parts = qlinear.quantize_int4(torch.randn(n, k) * 0.05)
+    return parts, qlinear.Int4Linear({name: t.clone() for name, t in parts.items()}, None)
+
+
+def _grid(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float64 weight the kernel's form stands for (its fp16 scales and minimums)."""
+    _codes, scale_min = int4_kernel.kernel_form(parts["qweight"], parts["scales"], parts["zeros"])
+    n, k = parts["qweight"].shape[0], parts["qweight"].shape[1] * 2
+    codes = torch.stack([parts["qweight"] & 15, parts["qweight"] >> 4], dim=-1)
+    q = codes.reshape(n, k // 32, 32).double()
+    scale, minimum = scale_min[:, 0].double(), scale_min[:, 1].double()
+    return (q * scale[..., None] + minimum[..., None]).reshape(n, k)
+
+
+def test_the_kernel_computes_the_product_with_its_weights():
+    parts, layer = _layer(300, 256)
+    assert layer.form == "kvchat"
+    x = torch.randn(7, 256)
+    with torch.inference_mode():
+        y = layer(x)
+    expected = x.double() @ _grid(parts).T
+    assert (y.double() - expected).abs().max() < 1e-5
+
+
+def test_the_kernel_is_close_to_the_stored_weights():
+    # fp16 scales: within a few parts in ten thousand of the float32 form quantize_int4 keeps
+    parts, layer = _layer(64, 512, seed=1)
+    x = torch.randn(3, 512)
+    with torch.inference_mode():
+        y = layer(x)
+    exact = x.double() @ qlinear.dequantize_int4(parts).double().T
+    assert (y.double() - exact).norm() / exact.norm() < 1e-3
+
+
+def test_a_rows_bits_do_not_depend_on_the_call_or_the_threads():
+    _parts, layer = _layer(1100, 1024, seed=2)  # over a million weights: two threads
+    x = torch.randn(67, 1024)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        whole = layer(x)
+        for size in (1, 3, 4, 5, 16):
+            chunks = torch.cat([layer(x[i : i + size]) for i in range(0, 67, size)])
+            assert torch.equal(chunks, whole), size
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(layer(x), whole)
+            torch.set_num_threads(3)
+            assert torch.equal(layer(x), whole)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_the_plain_c_build_gives_the_vector_builds_bits(tmp_path):
+    portable_path = tmp_path / "portable.so"
+    assert compile_kernel(compiler(), portable_path, PORTABLE_FLAGS, source=int4_kernel.SOURCE)
+    builds = {"portable": int4_kernel.load(portable_path)}
+    if platform.machine() in {"x86_64", "AMD64"}:
+        avx2_path = tmp_path / "avx2.so"
+        flags = [*PORTABLE_FLAGS, "-mavx2", "-mfma", "-mf16c"]
+        assert compile_kernel(compiler(), avx2_path, flags, source=int4_kernel.SOURCE)
+        builds["avx2"] = int4_kernel.load(avx2_path)
+    parts, _layer_ = _layer(96, 320, seed=3)  # 10 groups: the minimums' vector and scalar tails
+    codes, scale_min = int4_kernel.kernel_form(parts["qweight"], parts["scales"], parts["zeros"])
+    x = torch.randn(6, 320)
+    outs = {}
+    for name, library in builds.items():
+        out, scratch = torch.empty(6, 96), torch.empty(6 * 10)
+        library.kvchat_int4_matmul(
+            x.data_ptr(), 6, 320, codes.data_ptr(), scale_min.data_ptr(), 96,
+            out.data_ptr(), scratch.data_ptr(), 1,
+        )  # fmt: skip
+        outs[name] = out
+    expected = x.double() @ _grid(parts).T
+    for name, out in outs.items():
+        assert (out.double() - expected).abs().max() < 1e-5, name
+        assert torch.equal(out, outs["portable"]), name
+
+
+def test_a_gguf_q4_blocks_numbers_come_back_exactly():
+    # Q4_1: w = d * q + m with fp16 d and m; Q4_0: w = d * (q - 8)
+    torch.manual_seed(4)
+    d = (torch.rand(32, 4, 1) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(32, 4, 1) * 0.1).half().float()
+    q = torch.randint(0, 16, (32, 4, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15
+    for w, minimum in (((d * q + m).reshape(32, 128), m), ((d * (q - 8)).reshape(32, 128), -8 * d)):
+        parts = qlinear.quantize_int4(w, recover_grid=True)
+        _codes, scale_min = int4_kernel.kernel_form(
+            parts["qweight"], parts["scales"], parts["zeros"]
+        )
+        assert torch.equal(scale_min[:, 0].float(), d[..., 0])
+        assert torch.equal(scale_min[:, 1].float(), minimum[..., 0])
+        assert torch.equal(_grid(parts).float(), w)
