@@ -1,5 +1,5 @@
-"""One decode step (one token in, its logits out) of a Llama or Qwen2 model, without the
-layers of Python that transformers wraps around every module.
+"""One decode step (one token in, its logits out) of a Llama, Qwen2 or Gemma 3 model, without
+the layers of Python that transformers wraps around every module.
 
 Why: at one row per call a SmolLM2 step is thousands of short ops, and transformers' module
 calls, decorators, keyword plumbing and output records around them cost about one step in
@@ -21,11 +21,12 @@ The rotary products run over q's and k's heads in one tensor when the stacked pr
 hands them over side by side: elementwise multiply and add round each element alone, so
 that changes no bit.
 
-The layers in C++: for the quantized CPU form the default model takes, each layer's two
-halves around the cache's update and attention (input norm, q/k/v and rotary; then o_proj
-and the MLP) run in ``kvchat.engine.models.native`` once its library is built (in the background, at
-first use) and has given these halves' bits on this machine; until then, without a C++
-compiler, or with ``KVCHAT_NATIVE=0``, the Python halves below run, with the same output.
+The layers in C++: for the quantized CPU form the default model and a Gemma 3 GGUF take,
+each layer's two halves around the cache's update and attention (the norms, q/k/v and
+rotary; then o_proj and the MLP) run in ``kvchat.engine.models.native`` once its library is
+built (in the background, at first use) and has given these halves' bits on this machine;
+until then, without a C++ compiler, or with ``KVCHAT_NATIVE=0``, the Python halves below
+run, with the same output.
 
 What it does not do: module hooks do not fire (nothing of transformers' or torch's hook
 machinery runs). A cache that keeps the layers' inputs (the KV-Direct cache's residual
@@ -149,6 +150,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class DecodeStep:
     """``model(input_ids=[[t]], cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]``
     for a ``LlamaForCausalLM``, in fewer Python frames."""
+
+    family = "llama"  # which halves the C++ layers run for it
 
     def __init__(self, model: nn.Module) -> None:
         # No reference to ``model`` itself: the step is the value of a weak-keyed table
@@ -351,33 +354,44 @@ class DecodeStep:
         return query, key, value
 
 
+class _GemmaParts:
+    """What a Gemma 3 layer's step reads beyond Llama's, looked up once."""
+
+    __slots__ = ("k_norm", "kind", "post_ff_norm", "pre_ff_norm", "q_norm", "window")
+
+    def __init__(self, layer: nn.Module, kind: str) -> None:
+        self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm
+        self.pre_ff_norm = layer.pre_feedforward_layernorm
+        self.post_ff_norm = layer.post_feedforward_layernorm
+        self.window = layer.self_attn.sliding_window
+        self.kind = kind
+
+
 class Gemma3DecodeStep(DecodeStep):
     """The step for a ``Gemma3ForCausalLM`` (text): Llama's skeleton with Gemma 3's own
     parts, each called as the model's forward calls it: q/k norms after the projections,
     four norms per block (input, post-attention, pre- and post-feedforward), the GeGLU MLP,
     a rotary table and a mask per layer type (sliding or global), the sliding window handed
     to attention, and the final logit soft-cap when the config has one. The norms are the
-    model's own modules (``Gemma3RMSNorm`` computes ``(x * w)`` in float32, unlike Llama's)."""
+    model's own modules (``Gemma3RMSNorm`` computes ``(x * w)`` in float32, unlike Llama's).
+    The C++ layers serve it too (``native/decode_layer.cpp``'s ``gemma_*`` halves)."""
+
+    family = "gemma3"
 
     def __init__(self, model: nn.Module) -> None:
+        config = model.config
+        self.layer_types = list(config.layer_types[: config.num_hidden_layers])
+        self.gemma = [
+            _GemmaParts(layer, kind)
+            for layer, kind in zip(model.model.layers[: config.num_hidden_layers], self.layer_types)
+        ]
         super().__init__(model)
         from transformers.masking_utils import create_sliding_window_causal_mask
 
         self.create_sliding_mask = create_sliding_window_causal_mask
-        self.layer_types = list(self.config.layer_types[: self.config.num_hidden_layers])
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
-        self.extra = [
-            (
-                layer.self_attn.q_norm,
-                layer.self_attn.k_norm,
-                layer.pre_feedforward_layernorm,
-                layer.post_feedforward_layernorm,
-                layer.self_attn.sliding_window,
-            )
-            for layer in self.decoder_layers
-        ]
-        for q_norm, k_norm, pre, post, _window in self.extra:
-            self.skipped += [q_norm, k_norm, pre, post]
+        for parts in self.gemma:
+            self.skipped += [parts.q_norm, parts.k_norm, parts.pre_ff_norm, parts.post_ff_norm]
 
     @classmethod
     def build(cls, model: nn.Module) -> DecodeStep | None:
@@ -418,38 +432,56 @@ class Gemma3DecodeStep(DecodeStep):
             cos, sin = self.rotary(hidden, position_ids, kind)
             rotary[kind] = (cos.unsqueeze(1), sin.unsqueeze(1))
         note_input = layer_input_observer(cache)
+        native = self._native_layers() if hidden.dtype == torch.float32 else None
         attention = self._attention_function()
-        for layer, kind, (q_norm, k_norm, pre, post, window) in zip(
-            self.layers, self.layer_types, self.extra
-        ):
+        for layer, parts in zip(self.layers, self.gemma):
             index = layer.index
             if note_input is not None:
                 note_input(index, hidden)
-            cos, sin = rotary[kind]
-            x = layer.input_norm(hidden)
-            q, k, v = layer.qkv.split(x) if layer.qkv is not None else (
-                layer.q(x), layer.k(x), layer.v(x)
-            )  # fmt: skip
-            query = q_norm(q.view(1, 1, -1, self.head_dim).transpose(1, 2))
-            key = k_norm(k.view(1, 1, -1, self.head_dim).transpose(1, 2))
-            value = v.view(1, 1, -1, self.head_dim).transpose(1, 2)
-            query = (query * cos) + (_rotate_half(query) * sin)
-            key = (key * cos) + (_rotate_half(key) * sin)
+            cos, sin = rotary[parts.kind]
+            if native is not None:
+                query, key, value = native.before_attention(index, hidden, cos, sin)
+            else:
+                query, key, value = self.python_before_attention(layer, hidden, cos, sin)
             key, value = cache.update(key, value, index)
             out, _ = attention(
-                layer.attention, query, key, value, masks[kind], dropout=0.0,
-                scaling=layer.attention.scaling, sliding_window=window,
+                layer.attention, query, key, value, masks[parts.kind], dropout=0.0,
+                scaling=layer.attention.scaling, sliding_window=parts.window,
             )  # fmt: skip
-            attended = layer.o_proj(out.reshape(1, 1, -1).contiguous())
-            hidden = hidden + layer.post_norm(attended)
-            x = pre(hidden)
-            if layer.gate_up is not None:
-                gate, up = layer.gate_up.split(x)
-                gate, up = gate.reshape(1, 1, -1), up.reshape(1, 1, -1)
+            attended = out.reshape(1, 1, -1)
+            if native is not None:
+                hidden = native.after_attention(index, hidden, attended)
             else:
-                gate, up = layer.gate(x), layer.up(x)
-            hidden = hidden + post(layer.down(layer.act(gate) * up))
+                hidden = self.after_attention(layer, hidden, attended.contiguous())
         logits = self.head(self.norm(hidden))
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits[0, -1]
+
+    def python_before_attention(
+        self, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        parts = self.gemma[layer.index]
+        x = layer.input_norm(hidden)
+        q, k, v = layer.qkv.split(x) if layer.qkv is not None else (
+            layer.q(x), layer.k(x), layer.v(x)
+        )  # fmt: skip
+        query = parts.q_norm(q.view(1, 1, -1, self.head_dim).transpose(1, 2))
+        key = parts.k_norm(k.view(1, 1, -1, self.head_dim).transpose(1, 2))
+        value = v.view(1, 1, -1, self.head_dim).transpose(1, 2)
+        query = (query * cos) + (_rotate_half(query) * sin)
+        key = (key * cos) + (_rotate_half(key) * sin)
+        return query, key, value
+
+    def after_attention(
+        self, layer: _Layer, residual: torch.Tensor, attention_out: torch.Tensor
+    ) -> torch.Tensor:
+        parts = self.gemma[layer.index]
+        hidden = residual + layer.post_norm(layer.o_proj(attention_out))
+        x = parts.pre_ff_norm(hidden)
+        if layer.gate_up is not None:
+            gate, up = layer.gate_up.split(x)
+            gate, up = gate.reshape(1, 1, -1), up.reshape(1, 1, -1)
+        else:
+            gate, up = layer.gate(x), layer.up(x)
+        return hidden + parts.post_ff_norm(layer.down(layer.act(gate) * up))

@@ -26,7 +26,14 @@ from torch import nn
 
 from kvchat.engine.models import int4_kernel
 from kvchat.engine.models.heap import return_freed_memory
-from kvchat.engine.models.qlinear import Int4Linear, Int8Embedding, Int8Linear, int4_mm, int8_mm
+from kvchat.engine.models.qlinear import (
+    Int4Embedding,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    int4_mm,
+    int8_mm,
+)
 
 # The group's name on the parent module, its members in the order they are stacked, and the
 # members a call may start from (each needs its own copy of the scales from there on; k_proj
@@ -135,6 +142,10 @@ class ProjectionGroup(nn.Module):
             y = int4_kernel.matmul(rows, plan.weight, plan.scales, plan.weight.shape[0])
             return y.to(rows.dtype)
         return (int4_mm if self.int4 else int8_mm)(rows, plan.weight, plan.scales)
+
+    def biases(self) -> list[torch.Tensor | None]:
+        """Each member's bias (None for a member without one)."""
+        return [getattr(self, f"bias_{i}", None) for i in range(self.members)]
 
     def forget(self) -> None:
         self._stash = _Stash(self.members)
@@ -268,7 +279,7 @@ def weight_widths(model: nn.Module) -> set[int]:
     for module in model.modules():
         if isinstance(module, (Int8Linear, Int8Embedding)):
             widths.add(8)
-        elif isinstance(module, Int4Linear):
+        elif isinstance(module, (Int4Linear, Int4Embedding)):
             widths.add(4)
         elif isinstance(module, ProjectionGroup):
             widths.add(4 if module.int4 else 8)

@@ -244,12 +244,13 @@ class GgufTensor:
         for start in range(0, rows, block):
             yield self._values(start, min(block, rows - start))
 
-    def grid_steps(self) -> Any:
-        """For a Q4_0 or Q4_1 matrix, per row and block of 32 columns, the fewest steps of a
-        grid from the block's min to its max that holds its values, from the file's own codes:
-        (max - min) / gcd of (code - min), 1 for a constant block. That is what
-        ``qlinear.quantize_int4(recover_grid=True)`` otherwise finds by trying every count
-        (most of a first start's time for a 4B model); None for other types."""
+    def int4_parts(self, start: int = 0, count: int | None = None) -> dict[str, Any] | None:
+        """For a Q4_0 or Q4_1 matrix, kvchat's int4 form (``qlinear``: ``qweight``, ``scales``,
+        ``zeros``) of rows ``[start, start + count)`` taken from the file itself: its codes,
+        its fp16 scale as the group scale, and a zero point that gives its minimum back (Q4_1:
+        ``m + 8 d``; Q4_0: 0). Nothing is dequantized, and the values are the file's exactly.
+        A row range needs a tensor whose rows are its own (:meth:`rows`). None for other
+        types."""
         import numpy as np
         import torch
         from gguf import GGMLQuantizationType
@@ -259,20 +260,29 @@ class GgufTensor:
         if len(self.shape) != 2 or kind not in four_bit:
             return None
         rows, cols = self.shape
-        blocks = cols // 32
-        raw = self._bytes(self._entry["offset"], self._entry["nbytes"])
-        raw = raw.reshape(rows, blocks, -1)
-        head = 2 if kind == GGMLQuantizationType.Q4_0 else 4  # f16 scale (and f16 minimum)
-        scale = raw[..., :2].copy().view(np.float16)[..., 0]
-        packed = raw[..., head:]
-        codes = np.concatenate((packed & 15, packed >> 4), axis=-1)
-        low, high = codes.min(axis=-1), codes.max(axis=-1)
-        divisor = np.gcd.reduce(codes - low[..., None], axis=-1)
-        span = (high - low).astype(np.int16)
-        steps = np.where((span == 0) | (scale == 0), 1, span // np.maximum(divisor, 1)).astype(
-            np.float32
-        )
-        return torch.from_numpy(np.ascontiguousarray(self._processed(steps, self._entry["gguf"])))
+        count = rows - start if count is None else count
+        if (start, count) != (0, rows) and not self._rowwise():
+            raise ValueError(f"{self.name}: its rows are permuted as a whole")
+        row_bytes = self._entry["nbytes"] // rows
+        raw = self._bytes(self._entry["offset"] + start * row_bytes, count * row_bytes)
+        raw = raw.reshape(count, cols // 32, -1)
+        scale = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if kind == GGMLQuantizationType.Q4_1:
+            zeros = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * scale
+            packed = raw[..., 4:]
+        else:
+            zeros = np.zeros_like(scale)
+            packed = raw[..., 2:]
+        # The file's block holds column j in byte j's low nibble and column j + 16 in its
+        # high one; kvchat's form holds columns 2i and 2i + 1 in byte i.
+        columns = np.concatenate((packed & 15, packed >> 4), axis=-1).reshape(count, cols)
+        qweight = columns[:, 0::2] | (columns[:, 1::2] << 4)
+        name = self._entry["gguf"]
+        return {
+            "qweight": torch.from_numpy(np.ascontiguousarray(self._processed(qweight, name))),
+            "scales": torch.from_numpy(np.ascontiguousarray(self._processed(scale, name))),
+            "zeros": torch.from_numpy(np.ascontiguousarray(self._processed(zeros, name))),
+        }
 
     def _rowwise(self) -> bool:
         gguf = self._entry["gguf"]

@@ -1,15 +1,15 @@
-"""Weight-only quantized layers on torch's native CPU kernels: int8 per row, int4 per group.
+"""Weight-only quantized layers on CPU kernels: int8 per row, int4 per group.
 
-Why these kernels and not a library: measured on a Xeon (AVX512-BF16, AMX), all of
-SmolLM2-135M's linears for one decode token (M=1) took fp32 ~47 ms, bf16 ~40 ms,
-``_weight_int8pack_mm`` ~17.5 ms and ``_weight_int4pack_mm_for_cpu`` (group 32) ~14 ms, both
-with bf16 activations; with fp32 activations the same kernels are 3-9x SLOWER than fp32, so
-activations are cast to bf16 around the kernel and back. torchao 0.18 installs beside torch
-2.13 but calls these same two kernels for its CPU int8/int4 weight-only layouts, behind
-tensor subclasses; the layers here are ~150 lines with nothing to install. optimum-quanto
-(maintenance mode since Nov 2025) decoded 2x slower than fp32 there. On the 2-core Zen 4
-EPYC (no AMX) of earlier runs the order held too: int4 decodes fastest, then int8,
-then fp32 (``benchmarks/bench_peers.py``).
+The kernels: int4 runs kvchat's own (``kvchat.engine.models.int4_kernel``: float32
+activations, one summation order for any row count; on the 2-core AVX2 EPYC about twice as
+fast as torch's at one row, ``benchmarks/bench_int4_kernel.py``) wherever a C compiler built
+it, else torch's ``_weight_int4pack_mm_for_cpu``; int8 runs ``_weight_int8pack_mm``. torch's
+two take bf16 activations: measured on a Xeon (AVX512-BF16, AMX), all of SmolLM2-135M's
+linears for one decode token took fp32 ~47 ms, bf16 ~40 ms, int8 ~17.5 ms and int4 ~14 ms
+with bf16 activations, and with fp32 ones those kernels are 3-9x SLOWER than fp32, so
+activations are cast to bf16 around them and back. torchao 0.18 installs beside torch 2.13
+but calls these same two kernels for its CPU int8/int4 weight-only layouts, behind tensor
+subclasses. optimum-quanto (maintenance mode since Nov 2025) decoded 2x slower than fp32.
 
 Formats (what is stored on disk, device independent):
 
@@ -17,12 +17,13 @@ Formats (what is stored on disk, device independent):
 * int4: ``qweight`` uint8 ``[N, K/2]`` (low nibble = even column), ``scales`` and ``zeros``
   fp32 ``[N, K/G]``, asymmetric per group of ``G`` input columns: ``w = (q - 8) * s + z``
   (the tinygemm convention). A GGUF Q4_1 block (``w = d * q + m``, 32 columns) is exactly
-  ``s = d``, ``z = m + 8 d``, so requantizing its dequantized values by min/max recovers it.
+  ``s = d``, ``z = m + 8 d``, and a Q4_0 block (``w = d * (q - 8)``) ``s = d``, ``z = 0``.
 
-At load, each layer turns those into the kernel's own layout for the device. Off CPU
-(CUDA, MPS) the layers dequantize per call: correct, small in memory, not fast. On CPU,
-``kvchat.engine.models.fused`` then stacks the layers that read one input (q/k/v, gate/up) into one
-kernel call each.
+At load, each layer turns those into its kernel's own layout (kvchat's holds the group scale
+and minimum in fp16, which keeps a GGUF Q4_0/Q4_1 block's numbers exactly; torch's holds
+them in bf16). Off CPU (CUDA, MPS) the layers dequantize per call: correct, small in memory,
+not fast. On CPU, ``kvchat.engine.models.fused`` then stacks the layers that read one input
+(q/k/v, gate/up) into one kernel call each.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ WIDE_BYTES = 8 * 2**20
 __all__ = [
     "GROUP",
     "HEAD_REFINE_TOP",
+    "Int4Embedding",
     "Int4Linear",
     "Int8Embedding",
     "Int8Linear",
@@ -82,9 +84,7 @@ def int4_supported(weight: torch.Tensor) -> bool:
     return k % GROUP == 0 and n % 8 == 0
 
 
-def quantize_int4(
-    weight: torch.Tensor, *, recover_grid: bool = False, grid_steps: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
+def quantize_int4(weight: torch.Tensor, *, recover_grid: bool = False) -> dict[str, torch.Tensor]:
     """Asymmetric int4 per group of :data:`GROUP` input columns, nibble-packed.
 
     Each group's step is (max - min) / 15 (min/max), unless ``recover_grid``: then a group
@@ -92,9 +92,8 @@ def quantize_int4(
     GGUF Q4_0, Q4_1 or Q4_K block dequantizes to) gets that grid's step, so its 4-bit codes
     are the file's own and the values come back (:func:`dequantize_int4`) to float32
     rounding. min/max alone re-expresses only the blocks whose codes reach both 0 and 15:
-    every Q4_1 block, but few Q4_0 or Q4_K ones. ``grid_steps`` ([N, K / GROUP]) gives those
-    steps when they are known from the file's codes (``gguf_weights.GgufTensor.grid_steps``,
-    the same numbers the search finds, without searching).
+    every Q4_1 block, but few Q4_0 or Q4_K ones. (A GGUF's Q4_0 and Q4_1 tensors skip this:
+    ``gguf_weights.GgufTensor.int4_parts`` reads their codes and scales from the file.)
     """
     n, k = weight.shape
     packed = torch.empty(n, k // 2, dtype=torch.uint8, device=weight.device)
@@ -104,10 +103,7 @@ def quantize_int4(
         w = weight[start : start + _ROWS].float()
         w = w.reshape(w.shape[0], k // GROUP, GROUP)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        if grid_steps is not None:
-            steps = grid_steps[start : start + _ROWS]
-        else:
-            steps = _grid_steps(w, lo, hi - lo) if recover_grid else 15.0
+        steps = _grid_steps(w, lo, hi - lo) if recover_grid else 15.0
         s = ((hi - lo) / steps).clamp(min=1e-12)
         q = torch.round((w - lo[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8)
         q = q.reshape(q.shape[0], k)
@@ -251,10 +247,21 @@ class Int4Linear(nn.Module):
     float32 activations) where that kernel is built, else ``"torch"`` (CPU,
     ``_weight_int4pack_mm_for_cpu``, bf16 activations), and ``"portable"`` off the CPU
     (dequantized per call). ``packed`` is that kernel's weight, and ``scale_min`` (kvchat's)
-    or ``scales_and_zeros`` (torch's) its group scales."""
+    or ``scales_and_zeros`` (torch's) its group scales.
 
-    def __init__(self, parts: dict[str, torch.Tensor], bias: torch.Tensor | None) -> None:
+    ``float_output`` (an output head): kvchat's kernel's float32 outputs are returned as they
+    are, not rounded to a bf16 model's dtype, where near-tied logits would tie (see
+    :class:`Int8Linear`)."""
+
+    def __init__(
+        self,
+        parts: dict[str, torch.Tensor],
+        bias: torch.Tensor | None,
+        *,
+        float_output: bool = False,
+    ) -> None:
         super().__init__()
+        self.float_output = float_output
         from kvchat.engine.models import int4_kernel
 
         packed = parts["qweight"]
@@ -297,7 +304,7 @@ class Int4Linear(nn.Module):
             from kvchat.engine.models import int4_kernel
 
             y = int4_kernel.matmul(rows, self.packed, self.scale_min, self.out_features)
-            y = y.to(x.dtype)
+            y = y if self.float_output else y.to(x.dtype)
         elif self.form == "torch":
             y = int4_mm(rows, self.packed, self.scales_and_zeros)
         else:
@@ -310,6 +317,50 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int4 group {GROUP}, {self.form}"
+
+
+class Int4Embedding(nn.Module):
+    """Rows of an int4 table (kvchat's kernel form), dequantized as they are looked up.
+
+    It reads the tensors of an :class:`Int4Linear` (the tied output head, or a table of its
+    own), so a tied vocabulary is held once. A row's values are ``q * scale + min`` in
+    float32, each group's numbers as the table holds them (a GGUF Q4 table's own)."""
+
+    def __init__(
+        self,
+        table: Int4Linear,
+        dtype: torch.dtype,
+        embed_scale: torch.Tensor | None = None,
+        padding_idx: int | None = None,
+    ) -> None:
+        super().__init__()
+        if table.form != "kvchat":
+            raise ValueError("an int4 embedding reads kvchat's int4 kernel form")
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.register_buffer("packed", table.packed)
+        self.register_buffer("scale_min", table.scale_min)
+        self.out_dtype = dtype
+        self.padding_idx = padding_idx
+        if embed_scale is not None:
+            self.register_buffer("embed_scale", embed_scale, persistent=False)
+        else:
+            self.embed_scale = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        codes = self.packed[ids]  # [T, K/2]: byte j of a group holds columns j and j + 16
+        groups = self.embedding_dim // GROUP
+        codes = codes.reshape(-1, groups, GROUP // 2)
+        q = torch.cat([codes & 0x0F, codes >> 4], dim=-1).to(torch.float32)
+        scale_min = self.scale_min[ids].to(torch.float32)  # [T, 2, groups]
+        rows = q * scale_min[:, 0, :, None] + scale_min[:, 1, :, None]
+        rows = rows.reshape(*input_ids.shape, self.embedding_dim).to(self.out_dtype)
+        if self.embed_scale is not None:
+            rows = rows * self.embed_scale.to(self.out_dtype)
+        return rows
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int4 group {GROUP}"
 
 
 class Int8Embedding(nn.Module):

@@ -1,9 +1,9 @@
 """Weight modes and honest weight-byte accounting.
 
 ``--weights none`` keeps the float weights in ``--dtype``; ``int8`` / ``int4`` replace every
-decoder Linear with a weight-only quantized layer on torch's native CPU kernels and the
-vocabulary matrix (embedding and tied ``lm_head``) with one int8 table; see ``qlinear`` for
-the kernels and why, ``quantized_load`` for loading them from files one tensor at a time.
+decoder Linear with a weight-only quantized layer and the vocabulary matrix (embedding and
+tied ``lm_head``) with one table (int8; a GGUF's 4-bit table stays int4); see ``qlinear``
+for the kernels and why, ``quantized_load`` for loading them from files one tensor at a time.
 :func:`quantize_weights` does the same in place on a float model already in memory (tiny
 test models, models that do not come from safetensors files).
 

@@ -11,9 +11,11 @@ Two passes, both holding at most one float tensor at a time:
 
 What is quantized: every ``nn.Linear`` inside the decoder, to the mode (int4 falls back to
 int8 for a shape its kernel cannot take, and, for a model from a GGUF, for a tensor the file
-kept at more than 4 bits; see ``quantize_linear``); the vocabulary matrix to int8 per row, shared by
-the embedding and a tied ``lm_head`` (one copy, as in the float model; per-row scales suit
-both, since a row is a token in either use). Norms and biases stay float in ``--dtype``.
+kept at more than 4 bits; see ``quantize_linear``; a GGUF's Q4_0/Q4_1 tensors are taken as
+the file's codes and scales, never dequantized); the vocabulary matrix, shared by the
+embedding and a tied ``lm_head`` (one copy, as in the float model), to int8 per row (per-row
+scales suit both, since a row is a token in either use), or, in int4 mode, kept int4 when
+the GGUF holds it in Q4_0/Q4_1. Norms and biases stay float in ``--dtype``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from kvchat.engine.models.weights_file import (
 )
 
 # 2: a model from a GGUF keeps its 4-bit grids, and its wider tensors go to int8 (below).
-FORMAT = "kvchat-weights-2"
+# 3: a GGUF's Q4_0/Q4_1 tensors are its own codes and fp16 scales; in int4 mode a 4-bit
+# vocabulary table stays int4.
+FORMAT = "kvchat-weights-3"
 _PARTS = ("qweight", "scales", "zeros")
 
 __all__ = ["FORMAT", "load_quantized", "small_form_path"]
@@ -122,9 +126,14 @@ def _source_tensors(
 VOCAB_BLOCK_ROWS = 4096
 
 
-def _write_vocab(writer: TensorWriter, target: str, table: LazyTensor) -> None:
-    """The vocabulary table as int8 per row, read and written a block of rows at a time
-    (per-row quantization: each block's result is the whole table's, row for row)."""
+def _write_vocab(writer: TensorWriter, target: str, table: Any, mode: str) -> None:
+    """The vocabulary table, read and written a block of rows at a time: in int4 mode a
+    table the GGUF holds in 4 bits keeps the file's codes (:func:`_write_int4_vocab`), any
+    other is int8 per row (per-row quantization: each block's result is the whole table's,
+    row for row)."""
+    if mode == "int4" and table.int4_parts(0, 1) is not None:
+        _write_int4_vocab(writer, target, table)
+        return
     scales: list[torch.Tensor] = []
 
     def quantized_blocks() -> Iterator[torch.Tensor]:
@@ -137,16 +146,34 @@ def _write_vocab(writer: TensorWriter, target: str, table: LazyTensor) -> None:
     writer.add(f"{target}.scales", torch.cat(scales))
 
 
-def quantize_linear(
-    tensor: torch.Tensor, mode: str, from_gguf: bool, grid_steps: torch.Tensor | None = None
-) -> dict:
+def _write_int4_vocab(writer: TensorWriter, target: str, table: Any) -> None:
+    """A Q4_0/Q4_1 vocabulary table in kvchat's int4 form, from the file's own codes: the
+    same values in the same bytes as the GGUF (Gemma 3 4B's Q4_0 table would be 1.8x as
+    large in int8)."""
+    rows, cols = table.shape
+    scales: list[torch.Tensor] = []
+    zeros: list[torch.Tensor] = []
+
+    def code_blocks() -> Iterator[torch.Tensor]:
+        for start in range(0, rows, VOCAB_BLOCK_ROWS):
+            parts = table.int4_parts(start, min(VOCAB_BLOCK_ROWS, rows - start))
+            scales.append(parts["scales"])
+            zeros.append(parts["zeros"])
+            yield parts["qweight"]
+
+    writer.add_rows(f"{target}.qweight", torch.uint8, [rows, cols // 2], code_blocks())
+    writer.add(f"{target}.scales", torch.cat(scales))
+    writer.add(f"{target}.zeros", torch.cat(zeros))
+
+
+def quantize_linear(tensor: torch.Tensor, mode: str, from_gguf: bool) -> dict:
     """One decoder Linear's small form: int4 (group 32) in int4 mode where the kernel takes
     the shape, else int8 per row. From a GGUF, int4 takes the file's own 4-bit codes (Q4_0,
     Q4_1, Q4_K re-expressed), and a tensor the file kept wider (Q5_*, Q6_K, Q8_0, float)
     goes to int8: requantized to 4 bits, Gemma 3 270M's Q5_0/Q8_0 tensors cost 0.22 nats of
     NLL and a third of its top-1 agreement (benchmarks/bench_weights.py)."""
     if mode == "int4" and qlinear.int4_supported(tensor):
-        parts = qlinear.quantize_int4(tensor, recover_grid=from_gguf, grid_steps=grid_steps)
+        parts = qlinear.quantize_int4(tensor, recover_grid=from_gguf)
         if not from_gguf or qlinear.int4_holds(tensor, parts):
             return parts
     return qlinear.quantize_int8(tensor)
@@ -171,12 +198,21 @@ def _write_small_form(
                 if tied and vocab_done:
                     continue  # the tied copy: one table serves both
                 vocab_done = True
-                _write_vocab(writer, "vocab" if tied else module, lazy)
+                _write_vocab(writer, "vocab" if tied else module, lazy, mode)
                 return_freed_memory()
+                continue
+            takes_int4 = module in linears and qlinear.int4_supported(
+                torch.empty(lazy.shape, device="meta")
+            )
+            own = lazy.int4_parts() if mode == "int4" and takes_int4 else None
+            if own is not None and attr == "weight":  # the file's 4-bit codes, not re-derived
+                for part, value in own.items():
+                    writer.add(f"{module}.{part}", value)
+                del own
                 continue
             tensor = lazy.read()
             if attr == "weight" and module in linears:
-                parts = quantize_linear(tensor, mode, from_gguf, lazy.grid_steps())
+                parts = quantize_linear(tensor, mode, from_gguf)
                 for part, value in parts.items():
                     writer.add(f"{module}.{part}", value)
             else:
@@ -253,7 +289,7 @@ def _replace_linear(
     bias = getattr(old, "bias", None)
     bias = None if bias is None or bias.device.type == "meta" else bias.data
     if "zeros" in parts:
-        new = qlinear.Int4Linear(parts, bias)
+        new = qlinear.Int4Linear(parts, bias, float_output=head)
     else:
         new = qlinear.Int8Linear(parts, bias, qlinear.HEAD_REFINE_TOP if head else 0)
     _set_module(model, name, new)
@@ -270,11 +306,18 @@ def _set_vocab(
     old = model.get_submodule(embed)
     scale = getattr(old, "embed_scale", None)
     scale = scale if isinstance(scale, torch.Tensor) and scale.device.type != "meta" else None
-    _set_module(
-        model,
-        embed,
-        qlinear.Int8Embedding(parts, dtype, scale, getattr(old, "padding_idx", None)),
-    )
+    padding = getattr(old, "padding_idx", None)
+    if "zeros" in parts:  # an int4 table (a GGUF's 4-bit one)
+        table = qlinear.Int4Linear(parts, None, float_output=True)
+        if table.form == "kvchat":
+            _set_module(model, embed, qlinear.Int4Embedding(table, dtype, scale, padding))
+            if head is not None:  # tied: the head is the very same table
+                _set_module(model, head, table)
+            return
+        # Only kvchat's kernel keeps rows a lookup can read: int8 per row instead.
+        del table
+        parts = qlinear.quantize_int8(qlinear.dequantize_int4(parts))
+    _set_module(model, embed, qlinear.Int8Embedding(parts, dtype, scale, padding))
     if head is not None:  # tied: the head's buffers are the very same tensors
         _replace_linear(model, head, parts, head=True)
 

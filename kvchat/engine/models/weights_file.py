@@ -74,9 +74,9 @@ class LazyTensor:
     def read(self) -> torch.Tensor:
         return self._read_bytes(self._begin, self.nbytes).view(self.dtype).reshape(self.shape)
 
-    def grid_steps(self) -> torch.Tensor | None:
-        """None: a safetensors tensor carries no quantization codes to read its grid from
-        (``gguf_weights.GgufTensor.grid_steps`` does)."""
+    def int4_parts(self, start: int = 0, count: int | None = None) -> None:
+        """None: a safetensors tensor has no 4-bit codes of its own
+        (``gguf_weights.GgufTensor.int4_parts`` has)."""
         return None
 
     def rows(self, block: int) -> Iterator[torch.Tensor]:

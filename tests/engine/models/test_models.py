@@ -414,15 +414,16 @@ def test_the_gguf_tensors_are_those_of_transformers_own_gguf_load(
 
 
 @pytest.mark.parametrize("linear_type", ["Q4_0", "Q4_1", "Q8_0"])
-def test_the_4_bit_grids_read_from_the_codes_are_those_the_search_finds(
+def test_the_int4_form_read_from_a_q4_matrix_is_its_values_exactly(
     tmp_path: Path, linear_type: str
 ) -> None:
-    """For Q4_0 and Q4_1 matrices the int4 form's grid steps come from the file's codes
-    (Q/K rows reordered as their values are), and the small form is the one the search over
-    step counts gives; other types have no codes to read (None)."""
+    """For Q4_0 and Q4_1 matrices the int4 form is the file's own codes and fp16 scales (Q/K
+    rows reordered as their values are): it stands for gguf's dequantized values exactly,
+    whole or read a block of rows at a time, and so does kvchat's kernel form of it; other
+    types have no codes to read (None)."""
     import torch
 
-    from kvchat.engine.models import qlinear
+    from kvchat.engine.models import int4_kernel, qlinear
     from kvchat.engine.models.gguf_weights import gguf_tensors
 
     source = write_tiny_gguf(tmp_path / "tiny.gguf", linear_type=linear_type)
@@ -431,15 +432,66 @@ def test_the_4_bit_grids_read_from_the_codes_are_those_the_search_finds(
     matrices = [t for t in gguf_tensors(target) if ".layers." in t.name and len(t.shape) == 2]
     assert len(matrices) == 14
     for tensor in matrices:
-        steps = tensor.grid_steps()
+        parts = tensor.int4_parts()
         if linear_type == "Q8_0":
-            assert steps is None
+            assert parts is None
             continue
         weight = tensor.read()
-        searched = qlinear.quantize_int4(weight, recover_grid=True)
-        from_codes = qlinear.quantize_int4(weight, recover_grid=True, grid_steps=steps)
-        assert all(torch.equal(searched[k], from_codes[k]) for k in searched), tensor.name
-        assert qlinear.int4_holds(weight, from_codes)
+        assert torch.equal(qlinear.dequantize_int4(parts), weight), tensor.name
+        codes, scale_min = int4_kernel.kernel_form(
+            parts["qweight"], parts["scales"], parts["zeros"]
+        )
+        rows, cols = weight.shape
+        blocks = codes.reshape(rows, cols // 32, 16)
+        q = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()
+        kernel_values = q * scale_min[:, 0, :, None].float() + scale_min[:, 1, :, None].float()
+        assert torch.equal(kernel_values.reshape(rows, cols), weight), tensor.name
+        if not tensor.name.endswith(("q_proj.weight", "k_proj.weight")):  # rows of their own
+            half = rows // 2
+            halves = [tensor.int4_parts(0, half), tensor.int4_parts(half, rows - half)]
+            for name in parts:
+                assert torch.equal(torch.cat([h[name] for h in halves]), parts[name])
+
+
+@pytest.mark.parametrize("embedding_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_4_bit_vocabulary_table_stays_int4_with_its_values(
+    offline_env: Path, tmp_path: Path, embedding_type: str
+) -> None:
+    """In int4 mode a GGUF's Q4_0/Q4_1 vocabulary table is held as the file's codes and
+    scales, once for the embedding and the tied head: the rows looked up are the file's
+    values exactly, and the logits those of the float weights within float32 rounding;
+    a wider table (Q8_0) goes to int8 per row as before."""
+    import torch
+
+    from kvchat.engine.models import int4_kernel, qlinear
+    from kvchat.engine.models.quantize import weights_nbytes
+
+    if not int4_kernel.available():
+        pytest.skip("no C compiler: int4 tables need kvchat's kernel")
+    source = write_tiny_gguf(
+        tmp_path / "tiny.gguf", embedding_type=embedding_type, linear_type="Q4_0"
+    )
+    resolved = resolve_model(str(source))
+    float_model, tokenizer = load_model(resolved, weights="none")
+    model, _ = load_model(resolved, weights="int4")
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    ids = tokenizer("the theme the", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        expected = float_model(ids).logits
+        logits = model(ids).logits
+        rows = embed(ids)
+    if embedding_type == "Q8_0":
+        assert isinstance(embed, qlinear.Int8Embedding)
+        return
+    assert isinstance(embed, qlinear.Int4Embedding) and isinstance(head, qlinear.Int4Linear)
+    assert embed.packed is head.packed and embed.scale_min is head.scale_min
+    assert torch.equal(rows, float_model.get_input_embeddings()(ids))
+    assert (logits - expected).abs().max() < 1e-4
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    vocab, hidden = head.out_features, head.in_features
+    table_bytes = vocab * hidden // 2 + vocab * (hidden // 32) * 4
+    linears = sum(b.nbytes for n, b in model.named_buffers() if n.startswith("model.layers."))
+    assert weights_nbytes(model) - linears < table_bytes + 4096  # one table, and the norms
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 
 namespace {
@@ -52,12 +53,16 @@ Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int6
 
 // Input norm, the stacked q/k/v projection and the rotary products: the rotated query and
 // key and the value, each [1, heads, 1, head_dim].
+// Qwen2's q/k/v biases come stacked in the same order; each is added to its own columns, as
+// the Python step adds them to each member's slice.
 std::tuple<Tensor, Tensor, Tensor> before_attention(
     const Tensor& hidden, const Tensor& norm_weight, double eps, const Tensor& qkv_weight,
-    const Tensor& qkv_scales, int64_t qkv_group, int64_t q_width, int64_t k_width,
-    int64_t head_dim, const Tensor& cos, const Tensor& sin, int64_t kernel) {
+    const Tensor& qkv_scales, int64_t qkv_group, const std::optional<Tensor>& qkv_bias,
+    int64_t q_width, int64_t k_width, int64_t head_dim, const Tensor& cos, const Tensor& sin,
+    int64_t kernel) {
   auto x = rms_norm(hidden, norm_weight, eps);
   auto stacked = project(x, qkv_weight, qkv_scales, qkv_group, kernel);
+  if (qkv_bias.has_value()) stacked = stacked + *qkv_bias;
   auto qk = stacked.slice(1, 0, q_width + k_width).view({1, 1, -1, head_dim}).transpose(1, 2);
   auto half = head_dim / 2;
   auto rotated = at::cat({-qk.slice(-1, half), qk.slice(-1, 0, half)}, -1);
@@ -85,13 +90,62 @@ Tensor after_attention(
   return hidden + down.reshape({1, 1, -1});
 }
 
+// Gemma3RMSNorm.forward on float32 input: the normalized input times (1 + weight).
+Tensor gemma_norm(const Tensor& hidden, const Tensor& weight, double eps) {
+  auto normed = hidden * at::rsqrt(hidden.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return normed * (1.0 + weight);
+}
+
+Tensor rotated(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  auto half = x.size(-1) / 2;
+  auto turned = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+  return (x * cos) + (turned * sin);
+}
+
+// Gemma 3's first half: the input norm, the stacked q/k/v projection, the q and k norms
+// per head and the rotary products (the layer type's table, passed in).
+std::tuple<Tensor, Tensor, Tensor> gemma_before_attention(
+    const Tensor& hidden, const Tensor& norm_weight, double eps, const Tensor& qkv_weight,
+    const Tensor& qkv_scales, int64_t qkv_group, int64_t q_width, int64_t k_width,
+    int64_t head_dim, const Tensor& q_norm_weight, double q_eps, const Tensor& k_norm_weight,
+    double k_eps, const Tensor& cos, const Tensor& sin, int64_t kernel) {
+  auto x = gemma_norm(hidden, norm_weight, eps);
+  auto stacked = project(x, qkv_weight, qkv_scales, qkv_group, kernel);
+  auto heads = [&](int64_t from, int64_t to) {
+    return stacked.slice(1, from, to).view({1, 1, -1, head_dim}).transpose(1, 2);
+  };
+  auto query = gemma_norm(heads(0, q_width), q_norm_weight, q_eps);
+  auto key = gemma_norm(heads(q_width, q_width + k_width), k_norm_weight, k_eps);
+  auto value = heads(q_width + k_width, stacked.size(1));
+  return {rotated(query, cos, sin), rotated(key, cos, sin), value};
+}
+
+// Gemma 3's second half: o_proj, the post-attention norm and residual add, then the
+// pre-feedforward norm, the GeGLU MLP (tanh GELU) and the post-feedforward norm and add.
+Tensor gemma_after_attention(
+    const Tensor& residual, const Tensor& attended, const Tensor& o_weight,
+    const Tensor& o_scales, int64_t o_group, const Tensor& post_norm_weight, double post_eps,
+    const Tensor& pre_ff_weight, double pre_ff_eps, const Tensor& gate_up_weight,
+    const Tensor& gate_up_scales, int64_t gate_up_group, int64_t gate_width,
+    const Tensor& down_weight, const Tensor& down_scales, int64_t down_group,
+    const Tensor& post_ff_weight, double post_ff_eps, int64_t kernel) {
+  auto o = project(attended, o_weight, o_scales, o_group, kernel).reshape({1, 1, -1});
+  auto hidden = residual + gemma_norm(o, post_norm_weight, post_eps);
+  auto x = gemma_norm(hidden, pre_ff_weight, pre_ff_eps);
+  auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group, kernel);
+  auto gate = gate_up.slice(1, 0, gate_width).reshape({1, 1, -1});
+  auto up = gate_up.slice(1, gate_width).reshape({1, 1, -1});
+  auto down = project(at::gelu(gate, "tanh") * up, down_weight, down_scales, down_group, kernel);
+  return hidden + gemma_norm(down.reshape({1, 1, -1}), post_ff_weight, post_ff_eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvchat_native, m) {
   m.def(
       "before_attention(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_weight, "
-      "Tensor qkv_scales, int qkv_group, int q_width, int k_width, int head_dim, Tensor cos, "
-      "Tensor sin, int kernel) -> (Tensor, Tensor, Tensor)",
+      "Tensor qkv_scales, int qkv_group, Tensor? qkv_bias, int q_width, int k_width, "
+      "int head_dim, Tensor cos, Tensor sin, int kernel) -> (Tensor, Tensor, Tensor)",
       before_attention);
   m.def(
       "after_attention(Tensor residual, Tensor attended, "
@@ -99,4 +153,17 @@ TORCH_LIBRARY(kvchat_native, m) {
       "Tensor gate_up_weight, Tensor gate_up_scales, int gate_up_group, int gate_width, "
       "Tensor down_weight, Tensor down_scales, int down_group, int kernel) -> Tensor",
       after_attention);
+  m.def(
+      "gemma_before_attention(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_weight, "
+      "Tensor qkv_scales, int qkv_group, int q_width, int k_width, int head_dim, "
+      "Tensor q_norm_weight, float q_eps, Tensor k_norm_weight, float k_eps, Tensor cos, "
+      "Tensor sin, int kernel) -> (Tensor, Tensor, Tensor)",
+      gemma_before_attention);
+  m.def(
+      "gemma_after_attention(Tensor residual, Tensor attended, Tensor o_weight, "
+      "Tensor o_scales, int o_group, Tensor post_norm_weight, float post_eps, "
+      "Tensor pre_ff_weight, float pre_ff_eps, Tensor gate_up_weight, Tensor gate_up_scales, "
+      "int gate_up_group, int gate_width, Tensor down_weight, Tensor down_scales, "
+      "int down_group, Tensor post_ff_weight, float post_ff_eps, int kernel) -> Tensor",
+      gemma_after_attention);
 }

@@ -1,10 +1,12 @@
 """The decode step's layers through ``decode_layer.cpp``, for the models it serves.
 
-What it serves: a :class:`~kvchat.engine.models.decode_step.DecodeStep` whose model kvchat
-quantized on CPU, float32 activations, every layer's q/k/v and
-gate/up stacked into one int4 or int8 kernel call each (``kvchat.engine.models.fused``) without
-biases, o_proj and down_proj quantized alone, and a SiLU-gated MLP. That is the default
-model's default form; anything else keeps the Python step.
+What it serves: a :class:`~kvchat.engine.models.decode_step.DecodeStep` of the Llama family
+(a SiLU-gated MLP; Qwen2's q/k/v biases too) or of Gemma 3 (q/k norms, four norms per block,
+a tanh-GELU-gated MLP) whose model kvchat quantized on CPU, float32 activations, every
+layer's q/k/v and gate/up stacked into one int4 or int8 kernel call each
+(``kvchat.engine.models.fused``), and o_proj and down_proj quantized alone without biases.
+That is the default form of the default model, of a Gemma 3 GGUF and of a Qwen2 one;
+anything else keeps the Python step.
 
 Exactness: the library runs the Python step's own ATen ops in its order, so it must give the
 same bits, and that is checked, not assumed: before a library is used, one layer runs both
@@ -59,36 +61,74 @@ def _projection(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | N
     return None
 
 
-def _stacked(group: Any) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+def _stacked(group: Any, *, biased: bool = False) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(weight, scales, group) of a stacked projection; with ``biased`` its biases may be
+    there (every member's, or none: see :func:`_stacked_bias`)."""
     from kvchat.engine.models.qlinear import GROUP
 
-    if group is None or group.has_bias:
+    if group is None or (group.has_bias and not biased):
+        return None
+    if group.has_bias and any(b is None for b in group.biases()):
         return None
     weight, scales = group.kernel_operands()
     return weight, scales, {"kvchat": KVCHAT_INT4, "torch": GROUP, "int8": 0}[group.form]
+
+
+def _stacked_bias(group: Any) -> torch.Tensor | None:
+    """The members' biases side by side (Qwen2's q/k/v), float32 like the activations."""
+    if not group.has_bias:
+        return None
+    return torch.cat([b.to(torch.float32) for b in group.biases()])
 
 
 def _is_silu(act: nn.Module) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
+def _is_tanh_gelu(act: nn.Module) -> bool:
+    """transformers' ``GELUTanh`` calling ``F.gelu(x, approximate="tanh")`` (not its Python
+    formula, which rounds differently)."""
+    call = getattr(act, "act", None)
+    return (
+        type(act).__name__ == "GELUTanh"
+        and getattr(call, "func", None) is torch.nn.functional.gelu
+        and getattr(call, "keywords", {}) == {"approximate": "tanh"}
+    )
+
+
+def _float_cpu(*weights: torch.Tensor) -> bool:
+    return all(w.dtype == torch.float32 and w.is_cpu for w in weights)
+
+
 def serves(step: Any) -> bool:
     """Whether every layer of ``step`` has the form the library computes."""
-    if not step.packs_gqa:
+    if not step.packs_gqa or step.family not in ("llama", "gemma3"):
         return False
+    gemma = step.family == "gemma3"
     for layer in step.layers:
-        if _stacked(layer.qkv) is None or _stacked(layer.gate_up) is None:
+        if _stacked(layer.qkv, biased=not gemma) is None or _stacked(layer.gate_up) is None:
             return False
         if len(layer.qkv.widths) != 3 or len(layer.gate_up.widths) != 2:
             return False
         if _projection(layer.o_proj) is None or _projection(layer.down) is None:
             return False
-        if not _is_silu(layer.act):
+        if not (_is_tanh_gelu(layer.act) if gemma else _is_silu(layer.act)):
             return False
-        norms = (layer.input_norm.weight, layer.post_norm.weight)
-        if any(w.dtype != torch.float32 or not w.is_cpu for w in norms):
+        if not _float_cpu(layer.input_norm.weight, layer.post_norm.weight):
             return False
+        if gemma:
+            parts = step.gemma[layer.index]
+            norms = (parts.q_norm, parts.k_norm, parts.pre_ff_norm, parts.post_ff_norm)
+            if not _float_cpu(*(n.weight for n in norms)):
+                return False
     return True
+
+
+def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
+    """A norm's (weight, eps) in the ops' argument order (Llama's and Gemma's name eps
+    differently)."""
+    eps = getattr(module, "variance_epsilon", None)
+    return module.weight, float(module.eps if eps is None else eps)
 
 
 class NativeLayers:
@@ -98,23 +138,33 @@ class NativeLayers:
         self.head_dim = step.head_dim
         self.before: list[tuple[Any, ...]] = []
         self.after: list[tuple[Any, ...]] = []
+        gemma = step.family == "gemma3"
         for layer in step.layers:
             # The ops' argument order (decode_layer.cpp): a projection is (weight, scales,
             # group), a norm (weight, eps).
-            input_norm = (layer.input_norm.weight, float(layer.input_norm.variance_epsilon))
-            post_norm = (layer.post_norm.weight, float(layer.post_norm.variance_epsilon))
             qkv_widths = (layer.qkv.widths[0], layer.qkv.widths[1], self.head_dim)
-            self.before.append((*input_norm, *_stacked(layer.qkv), *qkv_widths))
-            self.after.append(
-                (*_projection(layer.o_proj), *post_norm)
-                + (*_stacked(layer.gate_up), layer.gate_up.widths[0], *_projection(layer.down))
-            )
+            if gemma:
+                before = (*_norm(layer.input_norm), *_stacked(layer.qkv), *qkv_widths)
+            else:
+                qkv = (*_stacked(layer.qkv, biased=True), _stacked_bias(layer.qkv))
+                before = (*_norm(layer.input_norm), *qkv, *qkv_widths)
+            o_proj, post_norm = _projection(layer.o_proj), _norm(layer.post_norm)
+            gate_up = (*_stacked(layer.gate_up), layer.gate_up.widths[0])
+            if gemma:
+                parts = step.gemma[layer.index]
+                before += (*_norm(parts.q_norm), *_norm(parts.k_norm))
+                after = (*o_proj, *post_norm, *_norm(parts.pre_ff_norm), *gate_up)
+                after += (*_projection(layer.down), *_norm(parts.post_ff_norm))
+            else:
+                after = (*o_proj, *post_norm, *gate_up, *_projection(layer.down))
+            self.before.append(before)
+            self.after.append(after)
         from kvchat.engine.models import int4_kernel
 
         self.kernel = int4_kernel.function_address()
         ops = torch.ops.kvchat_native
-        self._before_op = ops.before_attention
-        self._after_op = ops.after_attention
+        self._before_op = ops.gemma_before_attention if gemma else ops.before_attention
+        self._after_op = ops.gemma_after_attention if gemma else ops.after_attention
 
     def before_attention(
         self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -38,9 +38,10 @@ def counting(step):
 
 
 @needs_compiler
+@pytest.mark.parametrize("shape", ["smollm2", "gemma3", "qwen2"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_the_cpp_layers_give_the_python_steps_bits(mode):
-    model = model_in("smollm2", mode, torch.float32)
+def test_the_cpp_layers_give_the_python_steps_bits(mode, shape):
+    model = model_in(shape, mode, torch.float32)
     step = native_step(model)
     calls = counting(step)
     try:
@@ -58,8 +59,9 @@ def test_the_cpp_layers_give_the_python_steps_bits(mode):
 
 
 @needs_compiler
-def test_bounded_through_the_cpp_layers_equals_the_standard_cache():
-    model = model_in("smollm2", "int4", torch.float32)
+@pytest.mark.parametrize("shape", ["smollm2", "gemma3", "qwen2"])
+def test_bounded_through_the_cpp_layers_equals_the_standard_cache(shape):
+    model = model_in(shape, "int4", torch.float32)
     step = native_step(model)
     calls = counting(step)
     try:
@@ -104,10 +106,12 @@ def test_without_the_library_the_step_runs_in_python(monkeypatch):
 
 @needs_compiler
 @pytest.mark.slow
-def test_the_real_default_model_decodes_the_same_through_the_cpp_layers(smollm2_dir):
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma-3-270m"])
+def test_real_models_decode_the_same_through_the_cpp_layers(name):
     from kvchat.engine.models.load import load
+    from kvchat.engine.models.resolve import resolve_model
 
-    model = load(str(smollm2_dir), device="cpu", dtype="float32", weights="int4").model
+    model = load(str(resolve_model(name).path), device="cpu", dtype="float32").model
     step = native_step(model)
     calls = counting(step)
     kwargs = {"turn_lengths": (60, 9), "new_per_turn": 12}

@@ -1,0 +1,104 @@
+"""int4 weights alone: kvchat's kernel against torch's ``_weight_int4pack_mm_for_cpu``.
+
+Both multiply the same int4 weights (group 32, random codes and scales) by the same
+activations: kvchat's kernel (``engine/models/int4_kernel.c``) in float32, torch's with the
+activations cast to bf16 as kvchat called it before. Shapes: Gemma 3 4B's stacked q/k/v,
+o_proj, stacked gate/up and down_proj, and its 262K-row vocabulary (the tied head of a 4-bit
+GGUF), at one row (a decode step) and 64 rows (a prefill chunk). Interleaved runs in this
+process on the same thread count; ratio = torch's time / the kernel's (above 1: the kernel
+is faster). GB/s counts the weight bytes one call reads (codes and group scales).
+
+Run from the repository root: ``python benchmarks/bench_int4_kernel.py [--repeats 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402,F401  (this checkout's kvchat first on sys.path)
+
+from kvchat.lab import harness  # noqa: E402
+
+# (name, out_features, in_features) of Gemma 3 4B's int4 matrices
+SHAPES = [
+    ("q/k/v stacked", 4096, 2560),
+    ("o_proj", 2560, 2048),
+    ("gate/up stacked", 20480, 2560),
+    ("down_proj", 2560, 10240),
+    ("vocabulary (tied head)", 262208, 2560),
+]
+
+
+def timed(fn, calls: int) -> float:
+    fn()  # warm
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - started) / calls
+
+
+def main() -> None:
+    import torch
+
+    from kvchat.engine.models import int4_kernel, qlinear
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="docs/results/bench_int4_kernel/run.json")
+    args = parser.parse_args()
+    if not int4_kernel.available():
+        sys.exit("kvchat's int4 kernel is not built here (no C compiler?): nothing to compare")
+    wall = harness.stopwatch()
+    env = harness.environment(threads=torch.get_num_threads())
+    rows = []
+    print(f"{torch.get_num_threads()} threads")
+    print("| matrix | rows | kernel ms | GB/s | torch ms | ratio |")
+    print("|---|---|---|---|---|---|")
+    for name, n, k in SHAPES:
+        g = torch.Generator().manual_seed(0)
+        parts = {
+            "qweight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+            "scales": torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3,
+            "zeros": torch.randn(n, k // 32, generator=g) * 0.01,
+        }
+        codes, scale_min = int4_kernel.kernel_form(
+            parts["qweight"], parts["scales"], parts["zeros"]
+        )
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.stack([parts["qweight"] & 15, parts["qweight"] >> 4], -1).reshape(n, k).int(),
+            qlinear.INT4_INNER_K_TILES,
+        )
+        scales_and_zeros = (
+            torch.stack([parts["scales"], parts["zeros"]], -1).transpose(0, 1).contiguous()
+        ).to(torch.bfloat16)
+        del parts
+        weight_bytes = codes.nbytes + scale_min.nbytes
+        for m in (1, 64):
+            x = torch.randn(m, k, generator=g)
+            calls = 1 if n > 100_000 else (10 if m == 1 else 2)
+            ours = functools.partial(int4_kernel.matmul, x, codes, scale_min, n)
+            theirs = functools.partial(qlinear.int4_mm, x, packed, scales_and_zeros)
+            ours_s, theirs_s = [], []
+            for r in range(args.repeats):
+                pair = [(ours, ours_s), (theirs, theirs_s)]
+                for fn, into in pair if r % 2 == 0 else reversed(pair):
+                    into.append(timed(fn, calls))
+            k_ms, t_ms = harness.median(ours_s) * 1e3, harness.median(theirs_s) * 1e3
+            ratio = harness.median_ratio(theirs_s, ours_s)
+            gbs = weight_bytes / (k_ms / 1e3) / 1e9
+            rows.append(
+                {"matrix": name, "out": n, "in": k, "rows": m, "kernel_ms": k_ms,
+                 "kernel_gb_per_s": gbs, "torch_ms": t_ms, "ratio": ratio}
+            )  # fmt: skip
+            print(f"| {name} ({n}x{k}) | {m} | {k_ms:.2f} | {gbs:.1f} | {t_ms:.2f} | {ratio:.2f} |")
+    harness.save_run(args.out, "bench_int4_kernel", {"args": vars(args), "rows": rows}, env, wall())
+
+
+if __name__ == "__main__":
+    main()
