@@ -67,9 +67,7 @@ def main() -> None:
             "scales": torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3,
             "zeros": torch.randn(n, k // 32, generator=g) * 0.01,
         }
-        codes, scale_min = int4_kernel.kernel_form(
-            parts["qweight"], parts["scales"], parts["zeros"]
-        )
+        codes, scale_min = int4_kernel.kernel_form(parts)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             torch.stack([parts["qweight"] & 15, parts["qweight"] >> 4], -1).reshape(n, k).int(),
             qlinear.INT4_INNER_K_TILES,

@@ -113,6 +113,7 @@ class FakeBackend:
         reply: str = REPLY,
         delay: float = 0.0,
         load_delay: float = 0.0,
+        hold_load: bool = False,
         load_error: str | None = None,
         send_error: str | None = None,
         resume_error: str | None = None,
@@ -126,6 +127,11 @@ class FakeBackend:
         self.reply = reply
         self.delay = delay
         self.load_delay = load_delay
+        # A load waits for this gate: cleared (``hold_load``), a test sees the loading phase
+        # for as long as it likes, and sets it to let the load finish.
+        self.load_gate = threading.Event()
+        if not hold_load:
+            self.load_gate.set()
         self.load_error = load_error
         self.send_error = send_error
         self.resume_error = resume_error
@@ -157,6 +163,7 @@ class FakeBackend:
         progress(f"resolving {self.launch.model}")
         if self.load_delay:
             time.sleep(self.load_delay)
+        self.load_gate.wait()
         if self.load_error:
             raise KvchatError(self.load_error)
         progress("loading weights")

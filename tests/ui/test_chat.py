@@ -19,13 +19,14 @@ LONG_REPLY = " ".join(f"word{i}" for i in range(200))
 
 
 async def test_window_appears_at_once_and_model_loads_in_background(make_app):
-    app = make_app(load_delay=0.5)
+    app = make_app(hold_load=True)
     async with app.run_test() as pilot:
         # Mounted and drawn while the engine is still loading.
         assert app.phase == "loading"
         assert app.query_one("#load-progress").display
         status = str(app.query_one("#status-text").render())
         assert "loading" in status
+        app.backend.load_gate.set()
         await ready(pilot)
         assert not app.query_one("#load-progress").display
         assert "ready" in str(app.query_one("#status-text").render())
@@ -158,7 +159,7 @@ async def test_load_error_modal_quit_button_exits(make_app):
 
 
 async def test_enter_while_loading_warns_and_keeps_the_message(make_app):
-    app = make_app(load_delay=1.0)
+    app = make_app(hold_load=True)
     async with app.run_test() as pilot:
         seen = record_notifications(app)
         app.prompt.load_text("early bird")
@@ -166,6 +167,7 @@ async def test_enter_while_loading_warns_and_keeps_the_message(make_app):
         assert seen[-1][1] == "warning" and "still loading" in seen[-1][0]
         assert app.prompt.text == "early bird"
         assert app.backend.sent == []
+        app.backend.load_gate.set()
 
 
 async def test_comparison_follows_the_stream_live(make_app):

@@ -69,12 +69,14 @@ async def test_model_shows_what_is_loaded(make_app):
 
 
 async def test_model_name_loads_another_model(make_app):
-    app = make_app(load_delay=0.2)
+    app = make_app()
     async with app.run_test() as pilot:
         await ready(pilot)
         await send(pilot, "first")
+        app.backend.load_gate.clear()
         await command(pilot, "/model gemma-3-270m")
         assert app.phase == "loading"
+        app.backend.load_gate.set()
         await ready(pilot)
         assert app.model.name == "gemma-3-270m"
         assert app.turn_memory == []

@@ -66,6 +66,8 @@ class ProjectionGroup(nn.Module):
         if self.form == "kvchat":
             self.register_buffer("packed", torch.cat([m.packed for m in members]))
             scales = [m.scale_min for m in members]
+            if len({s.shape[1] for s in scales}) > 1:  # symmetric beside asymmetric
+                scales = [int4_kernel.full_form(s) for s in scales]
         elif self.int4:
             self.register_buffer("packed", torch.cat([m.packed for m in members]))
             scales = [m.scales_and_zeros for m in members]

@@ -245,12 +245,11 @@ class GgufTensor:
             yield self._values(start, min(block, rows - start))
 
     def int4_parts(self, start: int = 0, count: int | None = None) -> dict[str, Any] | None:
-        """For a Q4_0 or Q4_1 matrix, kvchat's int4 form (``qlinear``: ``qweight``, ``scales``,
-        ``zeros``) of rows ``[start, start + count)`` taken from the file itself: its codes,
-        its fp16 scale as the group scale, and a zero point that gives its minimum back (Q4_1:
-        ``m + 8 d``; Q4_0: 0). Nothing is dequantized, and the values are the file's exactly.
-        A row range needs a tensor whose rows are its own (:meth:`rows`). None for other
-        types."""
+        """For a Q4_0 or Q4_1 matrix, rows ``[start, start + count)`` in kvchat's int4 form
+        (``qlinear``) taken from the file itself: its codes, and its blocks' own fp16 scales
+        (``scales``) and, for Q4_1, minimums (``mins``). Nothing is dequantized: the values
+        are the file's exactly, in as many bytes. A row range needs a tensor whose rows are
+        its own (:meth:`rows`). None for other types."""
         import numpy as np
         import torch
         from gguf import GGMLQuantizationType
@@ -266,22 +265,20 @@ class GgufTensor:
         row_bytes = self._entry["nbytes"] // rows
         raw = self._bytes(self._entry["offset"] + start * row_bytes, count * row_bytes)
         raw = raw.reshape(count, cols // 32, -1)
-        scale = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        numbers = {"scales": raw[..., :2]}
         if kind == GGMLQuantizationType.Q4_1:
-            zeros = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * scale
-            packed = raw[..., 4:]
-        else:
-            zeros = np.zeros_like(scale)
-            packed = raw[..., 2:]
+            numbers["mins"] = raw[..., 2:4]
+        packed = raw[..., 2 * len(numbers) :]
         # The file's block holds column j in byte j's low nibble and column j + 16 in its
         # high one; kvchat's form holds columns 2i and 2i + 1 in byte i.
         columns = np.concatenate((packed & 15, packed >> 4), axis=-1).reshape(count, cols)
-        qweight = columns[:, 0::2] | (columns[:, 1::2] << 4)
-        name = self._entry["gguf"]
+        parts = {"qweight": columns[:, 0::2] | (columns[:, 1::2] << 4)}
+        for name, pairs in numbers.items():
+            parts[name] = pairs.copy().view(np.float16)[..., 0]
+        gguf = self._entry["gguf"]
         return {
-            "qweight": torch.from_numpy(np.ascontiguousarray(self._processed(qweight, name))),
-            "scales": torch.from_numpy(np.ascontiguousarray(self._processed(scale, name))),
-            "zeros": torch.from_numpy(np.ascontiguousarray(self._processed(zeros, name))),
+            name: torch.from_numpy(np.ascontiguousarray(self._processed(value, gguf)))
+            for name, value in parts.items()
         }
 
     def _rowwise(self) -> bool:

@@ -8,7 +8,8 @@
    Weights (kvchat.engine.models.int4_kernel): codes uint8 [N][K/2], where byte j of group g
    holds column 32g + j in its low nibble and column 32g + 16 + j in its high nibble (GGUF's
    Q4 block order); scale_min fp16 [N][2][K/32]: each row's group scales, then its group
-   minimums, so that W[n][32g + j] = q * scale + min.
+   minimums, so that W[n][32g + j] = q * scale + min; or, symmetric (a GGUF Q4_0 tensor's
+   form), [N][1][K/32]: the scales alone, each group's minimum being -8 * scale.
 
    Exactness: every output is summed in one fixed order that depends on neither the row count
    nor the thread count nor the build: a row's result is the same alone or in a prefill chunk,
@@ -34,6 +35,7 @@ typedef struct {
   int64_t rows, k;
   const uint8_t *codes;
   const uint16_t *scale_min;
+  int32_t symmetric;
   int64_t n;
   float *out;
   int64_t n0, n1;
@@ -93,44 +95,81 @@ static void group_sums(const float *x, int64_t rows, int64_t k, float *xsum) {
     }
 }
 
+#ifdef KVCHAT_AVX2
+static inline void scales_to_float(const uint16_t *h, int64_t groups, float *out) {
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8)
+    _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+  for (; g < groups; g++) out[g] = _cvtsh_ss(h[g]);
+}
+
+/* A group's 32 codes as floats: columns 0-7, 8-15 (low nibbles), 16-23, 24-31 (high). */
+static inline void unpack_group(const uint8_t *c, __m256 q[4]) {
+  const __m256i low = _mm256_set1_epi32(0x0f);
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8)));
+  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
+  q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
+  q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+  q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+}
+
+/* The group's dot product with one row's 32 activations, in one order. */
+static inline __m256 group_dot(const __m256 q[4], const float *x) {
+  __m256 a = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+  a = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), a);
+  a = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), a);
+  return _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), a);
+}
+
+/* Output (r, n): the scaled sums, then the minimums' term. */
+static inline void finish(const Job *job, int64_t r, int64_t n, __m256 total) {
+  const int64_t groups = job->k / GROUP;
+  const uint16_t *scale = job->scale_min + n * (job->symmetric ? 1 : 2) * groups;
+  const uint16_t *minv = job->symmetric ? scale : scale + groups;
+  /* A symmetric row's minimums are -8 * its scales (exact in float32). */
+  const float factor = job->symmetric ? -8.0f : 1.0f;
+  const float *xs = job->xsum + r * groups;
+  __m256 m = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minv + g)));
+    m = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_set1_ps(factor)), _mm256_loadu_ps(xs + g), m);
+  }
+  float rest = 0.0f;
+  for (; g < groups; g++) rest = fmaf(_cvtsh_ss(minv[g]) * factor, xs[g], rest);
+  job->out[r * job->n + n] = hsum8(total) + (hsum8(m) + rest);
+}
+
+static void rows_tile(const Job *job, int64_t r0, int64_t nr) {
+  const int64_t k = job->k, groups = k / GROUP;
+  const int64_t stride = (job->symmetric ? 1 : 2) * groups;
+  float scales[groups];
+  for (int64_t n = job->n0; n < job->n1; n++) {
+    const uint8_t *codes = job->codes + n * (k / 2);
+    scales_to_float(job->scale_min + n * stride, groups, scales);
+    __m256 total[ROW_TILE];
+    for (int r = 0; r < nr; r++) total[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      __m256 q[4];
+      unpack_group(codes + 16 * g, q);
+      const __m256 s = _mm256_broadcast_ss(scales + g);
+      for (int r = 0; r < nr; r++)
+        total[r] = _mm256_fmadd_ps(group_dot(q, job->x + (r0 + r) * k + GROUP * g), s, total[r]);
+    }
+    for (int r = 0; r < nr; r++) finish(job, r0 + r, n, total[r]);
+  }
+}
+
+#else
+
 static void rows_tile(const Job *job, int64_t r0, int64_t nr) {
   const int64_t k = job->k, groups = k / GROUP;
   for (int64_t n = job->n0; n < job->n1; n++) {
     const uint8_t *codes = job->codes + n * (k / 2);
-    const uint16_t *scale = job->scale_min + n * 2 * groups, *minv = scale + groups;
-#ifdef KVCHAT_AVX2
-    const __m256i low8 = _mm256_set1_epi32(0x0f);
-    __m256 total[ROW_TILE];
-    for (int r = 0; r < nr; r++) total[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 16 * g)));
-      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 16 * g + 8)));
-      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low8));
-      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low8));
-      const __m256 q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-      const __m256 q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
-      const __m256 s = _mm256_set1_ps(_cvtsh_ss(scale[g]));
-      for (int r = 0; r < nr; r++) {
-        const float *x = job->x + (r0 + r) * k + GROUP * g;
-        __m256 a = _mm256_mul_ps(q0, _mm256_loadu_ps(x));
-        a = _mm256_fmadd_ps(q1, _mm256_loadu_ps(x + 8), a);
-        a = _mm256_fmadd_ps(q2, _mm256_loadu_ps(x + 16), a);
-        a = _mm256_fmadd_ps(q3, _mm256_loadu_ps(x + 24), a);
-        total[r] = _mm256_fmadd_ps(a, s, total[r]);
-      }
-    }
-    for (int r = 0; r < nr; r++) {
-      const float *xs = job->xsum + (r0 + r) * groups;
-      __m256 m = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; g + 8 <= groups; g += 8)
-        m = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minv + g))),
-                            _mm256_loadu_ps(xs + g), m);
-      float rest = 0.0f;
-      for (; g < groups; g++) rest = fmaf(_cvtsh_ss(minv[g]), xs[g], rest);
-      job->out[(r0 + r) * job->n + n] = hsum8(total[r]) + (hsum8(m) + rest);
-    }
-#else
+    const uint16_t *scale = job->scale_min + n * (job->symmetric ? 1 : 2) * groups;
+    const uint16_t *minv = job->symmetric ? scale : scale + groups;
+    const float factor = job->symmetric ? -8.0f : 1.0f;
     float total[ROW_TILE][8];
     memset(total, 0, sizeof total);
     for (int64_t g = 0; g < groups; g++) {
@@ -156,14 +195,16 @@ static void rows_tile(const Job *job, int64_t r0, int64_t nr) {
       float m[8] = {0};
       int64_t g = 0;
       for (; g + 8 <= groups; g += 8)
-        for (int l = 0; l < 8; l++) m[l] = fmaf(half_to_float(minv[g + l]), xs[g + l], m[l]);
+        for (int l = 0; l < 8; l++)
+          m[l] = fmaf(half_to_float(minv[g + l]) * factor, xs[g + l], m[l]);
       float rest = 0.0f;
-      for (; g < groups; g++) rest = fmaf(half_to_float(minv[g]), xs[g], rest);
+      for (; g < groups; g++) rest = fmaf(half_to_float(minv[g]) * factor, xs[g], rest);
       job->out[(r0 + r) * job->n + n] = lane_sum(total[r]) + (lane_sum(m) + rest);
     }
-#endif
   }
 }
+
+#endif
 
 static void *run_job(void *arg) {
   const Job *job = (const Job *)arg;
@@ -175,8 +216,8 @@ static void *run_job(void *arg) {
 /* out [rows][n] = x [rows][k] times W [n][k] transposed; xsum is scratch of rows * k / 32
    floats. Threads split the output columns, which changes no sum. */
 void kvchat_int4_matmul(const float *x, int64_t rows, int64_t k, const uint8_t *codes,
-                        const uint16_t *scale_min, int64_t n, float *out, float *xsum,
-                        int32_t threads) {
+                        const uint16_t *scale_min, int32_t symmetric, int64_t n, float *out,
+                        float *xsum, int32_t threads) {
   group_sums(x, rows, k, xsum);
   /* A thread costs tens of microseconds to start: only for a million weights and up. */
   if ((double)n * (double)k * (double)(rows < 4 ? rows : 4) < 1.0e6) threads = 1;
@@ -187,7 +228,7 @@ void kvchat_int4_matmul(const float *x, int64_t rows, int64_t k, const uint8_t *
   const int64_t per = (n + threads - 1) / threads;
   for (int32_t t = 0; t < threads; t++) {
     const int64_t n0 = t * per < n ? t * per : n, n1 = (t + 1) * per < n ? (t + 1) * per : n;
-    jobs[t] = (Job){x, xsum, rows, k, codes, scale_min, n, out, n0, n1};
+    jobs[t] = (Job){x, xsum, rows, k, codes, scale_min, symmetric, n, out, n0, n1};
   }
   int32_t started = 1;
   for (; started < threads; started++)

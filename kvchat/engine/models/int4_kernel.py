@@ -2,10 +2,10 @@
 order, loaded with ctypes.
 
 Why not torch's ``_weight_int4pack_mm_for_cpu`` alone: it casts activations to bf16, and on a
-CPU without AVX-512 it is compute bound well below the memory's speed. On the 2-core AVX2
-EPYC this kernel took 0.4-0.6x torch's time for one row over Gemma-3-4B's layer shapes and
-0.8x for a 64-row prefill chunk (``benchmarks/bench_int4_kernel.py``), with float32's
-precision instead of bf16's.
+CPU without AVX-512 it is compute bound below the memory's speed. On the 2-core AVX2 EPYC
+this kernel was 1.3-1.7x as fast as torch's at one row over Gemma-3-4B's matrices (reading
+the weights at up to 13 GB/s) and 1.2-1.3x for a 64-row prefill chunk
+(``benchmarks/bench_int4_kernel.py``), with float32's precision instead of bf16's.
 
 Exactness: a row's output is summed in one order whatever the row count and thread count
 (a decode row and the same row in a prefill chunk get the same bits), and the plain C build
@@ -27,7 +27,16 @@ import torch
 SOURCE = Path(__file__).with_name("int4_kernel.c")
 GROUP = 32
 
-__all__ = ["SOURCE", "available", "function_address", "kernel_form", "load", "matmul"]
+__all__ = [
+    "SOURCE",
+    "available",
+    "full_form",
+    "function_address",
+    "kernel_form",
+    "load",
+    "matmul",
+    "minimums",
+]
 
 _library: ctypes.CDLL | None | bool = False  # False: not looked for yet
 
@@ -45,7 +54,8 @@ def load(path: Path) -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function = library.kvchat_int4_matmul
-    function.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int32]
+    i32 = ctypes.c_int32
+    function.argtypes = [ptr, i64, i64, ptr, ptr, i32, i64, ptr, ptr, i32]
     function.restype = None
     return library
 
@@ -76,23 +86,45 @@ def function_address() -> int:
     return ctypes.cast(kernel.kvchat_int4_matmul, ctypes.c_void_p).value or 0
 
 
-def kernel_form(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's ``(codes, scale_min)`` from kvchat's stored int4 form (``qweight`` uint8
-    ``[N, K/2]``, low nibble the even column; ``w = (q - 8) * scales + zeros`` per group).
+def kernel_form(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's ``(codes, scale_min)`` from a stored int4 form (``qlinear``): kvchat's
+    ``qweight``/``scales``/``zeros`` (``w = (q - 8) * scales + zeros``), or a GGUF block's
+    own fp16 ``scales`` and ``mins`` (``w = q * scales + mins``; without ``mins``, Q4_0's
+    ``w = (q - 8) * scales``, kept symmetric: ``scale_min`` ``[N, 1, G]``).
 
-    The minimum is ``zeros - 8 * scales``, in fp16 like the scale: a GGUF Q4_0 or Q4_1
-    block's own fp16 numbers come back exactly."""
+    The minimum of the first form is ``zeros - 8 * scales`` in fp16 like the scale."""
+    qweight = parts["qweight"]
     n, half = qweight.shape
     groups = half * 2 // GROUP
     low, high = qweight & 0x0F, qweight >> 4
     # Columns back in order, then each group's columns 0-15 in low nibbles, 16-31 in high.
     columns = torch.stack([low, high], dim=-1).reshape(n, groups, GROUP)
     codes = (columns[..., :16] | (columns[..., 16:] << 4)).reshape(n, half).contiguous()
-    minimum = zeros.float() - 8 * scales.float()
-    scale_min = torch.stack([scales.float(), minimum], dim=1).to(torch.float16).contiguous()
+    scales = parts["scales"]
+    if "zeros" in parts:
+        minimum = parts["zeros"].float() - 8 * scales.float()
+        rows = [scales.float(), minimum]
+    elif "mins" in parts:
+        rows = [scales, parts["mins"]]
+    else:
+        rows = [scales]
+    scale_min = torch.stack(rows, dim=1).to(torch.float16).contiguous()
     return codes, scale_min
+
+
+def full_form(scale_min: torch.Tensor) -> torch.Tensor:
+    """``scale_min`` with its minimums written out (a symmetric one's are -8 * its scales,
+    exact in fp16): what a stack of symmetric and asymmetric layers holds."""
+    if scale_min.shape[1] == 2:
+        return scale_min
+    return torch.cat([scale_min, scale_min * -8], dim=1).contiguous()
+
+
+def minimums(scale_min: torch.Tensor) -> torch.Tensor:
+    """Each group's minimum, ``[N, G]`` in float32."""
+    if scale_min.shape[1] == 2:
+        return scale_min[:, 1].float()
+    return scale_min[:, 0].float() * -8
 
 
 def matmul(
@@ -106,7 +138,7 @@ def matmul(
     out = torch.empty(m, out_features)
     scratch = torch.empty(m * (k // GROUP))
     kernel.kvchat_int4_matmul(
-        x.data_ptr(), m, k, codes.data_ptr(), scale_min.data_ptr(), out_features,
-        out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+        x.data_ptr(), m, k, codes.data_ptr(), scale_min.data_ptr(), int(scale_min.shape[1] == 1),
+        out_features, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out

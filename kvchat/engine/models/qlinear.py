@@ -1,7 +1,7 @@
 """Weight-only quantized layers on CPU kernels: int8 per row, int4 per group.
 
 The kernels: int4 runs kvchat's own (``kvchat.engine.models.int4_kernel``: float32
-activations, one summation order for any row count; on the 2-core AVX2 EPYC about twice as
+activations, one summation order for any row count; on the 2-core AVX2 EPYC 1.3-1.7x as
 fast as torch's at one row, ``benchmarks/bench_int4_kernel.py``) wherever a C compiler built
 it, else torch's ``_weight_int4pack_mm_for_cpu``; int8 runs ``_weight_int8pack_mm``. torch's
 two take bf16 activations: measured on a Xeon (AVX512-BF16, AMX), all of SmolLM2-135M's
@@ -16,8 +16,9 @@ Formats (what is stored on disk, device independent):
 * int8: ``qweight`` int8 ``[N, K]``, ``scales`` fp32 ``[N]``, symmetric: ``w = q * s``.
 * int4: ``qweight`` uint8 ``[N, K/2]`` (low nibble = even column), ``scales`` and ``zeros``
   fp32 ``[N, K/G]``, asymmetric per group of ``G`` input columns: ``w = (q - 8) * s + z``
-  (the tinygemm convention). A GGUF Q4_1 block (``w = d * q + m``, 32 columns) is exactly
-  ``s = d``, ``z = m + 8 d``, and a Q4_0 block (``w = d * (q - 8)``) ``s = d``, ``z = 0``.
+  (the tinygemm convention); or, taken from a GGUF, its blocks' own fp16 numbers: ``scales``
+  and ``mins`` fp16, ``w = q * s + m`` (Q4_1), or ``scales`` alone, ``w = (q - 8) * s``
+  (Q4_0), the same bytes per weight as the file.
 
 At load, each layer turns those into its kernel's own layout (kvchat's holds the group scale
 and minimum in fp16, which keeps a GGUF Q4_0/Q4_1 block's numbers exactly; torch's holds
@@ -55,10 +56,12 @@ __all__ = [
     "dequantize_int4",
     "int4_holds",
     "int4_mm",
+    "is_int4",
     "int4_supported",
     "int8_mm",
     "quantize_int4",
     "quantize_int8",
+    "scales_and_zeros",
 ]
 
 
@@ -131,12 +134,32 @@ def _grid_steps(w: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.
     return steps
 
 
+def is_int4(parts: dict[str, torch.Tensor]) -> bool:
+    """Whether stored parts are an int4 form (their codes are nibble pairs) or int8."""
+    return parts["qweight"].dtype == torch.uint8
+
+
+def scales_and_zeros(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any stored int4 form's float32 ``(scales, zeros)``, ``w = (q - 8) * s + z``."""
+    scales = parts["scales"].float()
+    if "zeros" in parts:
+        return scales, parts["zeros"].float()
+    if "mins" in parts:
+        return scales, parts["mins"].float() + 8 * scales
+    return scales, torch.zeros_like(scales)
+
+
 def dequantize_int4(parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The float32 ``[N, K]`` weight an int4 form stands for: ``(q - 8) * s + z``."""
+    """The float32 ``[N, K]`` weight an int4 form stands for."""
     q = _unpack_int4(parts["qweight"]).float()
     n, k = q.shape
     q = q.reshape(n, k // GROUP, GROUP)
-    w = (q - 8) * parts["scales"][..., None] + parts["zeros"][..., None]
+    if "zeros" in parts:
+        w = (q - 8) * parts["scales"][..., None] + parts["zeros"][..., None]
+    elif "mins" in parts:
+        w = q * parts["scales"].float()[..., None] + parts["mins"].float()[..., None]
+    else:
+        w = (q - 8) * parts["scales"].float()[..., None]
     return w.reshape(n, k)
 
 
@@ -269,11 +292,12 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # The kernel's layouts only: the portable nibbles are not kept beside them.
         if packed.is_cpu and int4_kernel.available():
-            codes, scale_min = int4_kernel.kernel_form(packed, parts["scales"], parts["zeros"])
+            codes, scale_min = int4_kernel.kernel_form(parts)
             self.register_buffer("packed", codes)
             self.register_buffer("scale_min", scale_min)
             self.form = "kvchat"
         elif packed.is_cpu:
+            scales, zeros = scales_and_zeros(parts)
             self.register_buffer(
                 "packed",
                 torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -282,16 +306,17 @@ class Int4Linear(nn.Module):
             )
             self.register_buffer(
                 "scales_and_zeros",
-                torch.stack([parts["scales"], parts["zeros"]], dim=-1)
+                torch.stack([scales, zeros], dim=-1)
                 .transpose(0, 1)
                 .contiguous()
                 .to(torch.bfloat16),
             )
             self.form = "torch"
         else:
+            scales, zeros = scales_and_zeros(parts)
             self.register_buffer("packed", packed)
-            self.register_buffer("scales", parts["scales"])
-            self.register_buffer("zeros", parts["zeros"])
+            self.register_buffer("scales", scales)
+            self.register_buffer("zeros", zeros)
             self.form = "portable"
 
     @property
@@ -352,8 +377,11 @@ class Int4Embedding(nn.Module):
         groups = self.embedding_dim // GROUP
         codes = codes.reshape(-1, groups, GROUP // 2)
         q = torch.cat([codes & 0x0F, codes >> 4], dim=-1).to(torch.float32)
-        scale_min = self.scale_min[ids].to(torch.float32)  # [T, 2, groups]
-        rows = q * scale_min[:, 0, :, None] + scale_min[:, 1, :, None]
+        from kvchat.engine.models import int4_kernel
+
+        scale_min = self.scale_min[ids]  # [T, 1 or 2, groups]
+        scale, minimum = scale_min[:, 0].to(torch.float32), int4_kernel.minimums(scale_min)
+        rows = q * scale[..., None] + minimum[..., None]
         rows = rows.reshape(*input_ids.shape, self.embedding_dim).to(self.out_dtype)
         if self.embed_scale is not None:
             rows = rows * self.embed_scale.to(self.out_dtype)

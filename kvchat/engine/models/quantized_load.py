@@ -45,7 +45,7 @@ from kvchat.engine.models.weights_file import (
 # 3: a GGUF's Q4_0/Q4_1 tensors are its own codes and fp16 scales; in int4 mode a 4-bit
 # vocabulary table stays int4.
 FORMAT = "kvchat-weights-3"
-_PARTS = ("qweight", "scales", "zeros")
+_PARTS = ("qweight", "scales", "zeros", "mins")
 
 __all__ = ["FORMAT", "load_quantized", "small_form_path"]
 
@@ -158,12 +158,13 @@ def _write_int4_vocab(writer: TensorWriter, target: str, table: Any) -> None:
         for start in range(0, rows, VOCAB_BLOCK_ROWS):
             parts = table.int4_parts(start, min(VOCAB_BLOCK_ROWS, rows - start))
             scales.append(parts["scales"])
-            zeros.append(parts["zeros"])
+            zeros.append(parts.get("mins"))
             yield parts["qweight"]
 
     writer.add_rows(f"{target}.qweight", torch.uint8, [rows, cols // 2], code_blocks())
     writer.add(f"{target}.scales", torch.cat(scales))
-    writer.add(f"{target}.zeros", torch.cat(zeros))
+    if zeros[0] is not None:
+        writer.add(f"{target}.mins", torch.cat(zeros))
 
 
 def quantize_linear(tensor: torch.Tensor, mode: str, from_gguf: bool) -> dict:
@@ -288,7 +289,7 @@ def _replace_linear(
     old = model.get_submodule(name)
     bias = getattr(old, "bias", None)
     bias = None if bias is None or bias.device.type == "meta" else bias.data
-    if "zeros" in parts:
+    if qlinear.is_int4(parts):
         new = qlinear.Int4Linear(parts, bias, float_output=head)
     else:
         new = qlinear.Int8Linear(parts, bias, qlinear.HEAD_REFINE_TOP if head else 0)
@@ -307,7 +308,7 @@ def _set_vocab(
     scale = getattr(old, "embed_scale", None)
     scale = scale if isinstance(scale, torch.Tensor) and scale.device.type != "meta" else None
     padding = getattr(old, "padding_idx", None)
-    if "zeros" in parts:  # an int4 table (a GGUF's 4-bit one)
+    if qlinear.is_int4(parts):  # an int4 table (a GGUF's 4-bit one)
         table = qlinear.Int4Linear(parts, None, float_output=True)
         if table.form == "kvchat":
             _set_module(model, embed, qlinear.Int4Embedding(table, dtype, scale, padding))

@@ -22,11 +22,11 @@ def _layer(n: int, k: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], qlin
 
 def _grid(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """The float64 weight the kernel's form stands for (its fp16 scales and minimums)."""
-    _codes, scale_min = int4_kernel.kernel_form(parts["qweight"], parts["scales"], parts["zeros"])
+    _codes, scale_min = int4_kernel.kernel_form(parts)
     n, k = parts["qweight"].shape[0], parts["qweight"].shape[1] * 2
     codes = torch.stack([parts["qweight"] & 15, parts["qweight"] >> 4], dim=-1)
     q = codes.reshape(n, k // 32, 32).double()
-    scale, minimum = scale_min[:, 0].double(), scale_min[:, 1].double()
+    scale, minimum = scale_min[:, 0].double(), int4_kernel.minimums(scale_min).double()
     return (q * scale[..., None] + minimum[..., None]).reshape(n, k)
 
 
@@ -78,13 +78,13 @@ def test_the_plain_c_build_gives_the_vector_builds_bits(tmp_path):
         assert compile_kernel(compiler(), avx2_path, flags, source=int4_kernel.SOURCE)
         builds["avx2"] = int4_kernel.load(avx2_path)
     parts, _layer_ = _layer(96, 320, seed=3)  # 10 groups: the minimums' vector and scalar tails
-    codes, scale_min = int4_kernel.kernel_form(parts["qweight"], parts["scales"], parts["zeros"])
+    codes, scale_min = int4_kernel.kernel_form(parts)
     x = torch.randn(6, 320)
     outs = {}
     for name, library in builds.items():
         out, scratch = torch.empty(6, 96), torch.empty(6 * 10)
         library.kvchat_int4_matmul(
-            x.data_ptr(), 6, 320, codes.data_ptr(), scale_min.data_ptr(), 96,
+            x.data_ptr(), 6, 320, codes.data_ptr(), scale_min.data_ptr(), 0, 96,
             out.data_ptr(), scratch.data_ptr(), 1,
         )  # fmt: skip
         outs[name] = out
@@ -94,18 +94,31 @@ def test_the_plain_c_build_gives_the_vector_builds_bits(tmp_path):
         assert torch.equal(out, outs["portable"]), name
 
 
-def test_a_gguf_q4_blocks_numbers_come_back_exactly():
-    # Q4_1: w = d * q + m with fp16 d and m; Q4_0: w = d * (q - 8)
+def test_a_gguf_q4_blocks_numbers_are_held_exactly():
+    """A GGUF block's own form (fp16 scales, and Q4_1's minimums) is held as it is, and a
+    Q4_0 tensor symmetric ([N, 1, G]): the same bits as its minimums written out."""
     torch.manual_seed(4)
-    d = (torch.rand(32, 4, 1) * 0.01 + 1e-3).half().float()
-    m = (-torch.rand(32, 4, 1) * 0.1).half().float()
-    q = torch.randint(0, 16, (32, 4, 32)).float()
-    q[..., 0], q[..., 1] = 0, 15
-    for w, minimum in (((d * q + m).reshape(32, 128), m), ((d * (q - 8)).reshape(32, 128), -8 * d)):
-        parts = qlinear.quantize_int4(w, recover_grid=True)
-        _codes, scale_min = int4_kernel.kernel_form(
-            parts["qweight"], parts["scales"], parts["zeros"]
-        )
-        assert torch.equal(scale_min[:, 0].float(), d[..., 0])
-        assert torch.equal(scale_min[:, 1].float(), minimum[..., 0])
-        assert torch.equal(_grid(parts).float(), w)
+    d = (torch.rand(32, 4) * 0.01 + 1e-3).half()
+    m = (-torch.rand(32, 4) * 0.1).half()
+    q = torch.randint(0, 16, (32, 128), dtype=torch.uint8)
+    qweight = q[:, 0::2] | (q[:, 1::2] << 4)
+    q4_1 = {"qweight": qweight, "scales": d, "mins": m}
+    q4_0 = {"qweight": qweight, "scales": d}
+    blocks = q.view(32, 4, 32).float()
+    expected_1 = (blocks * d.float()[..., None] + m.float()[..., None]).view(32, 128)
+    expected_0 = ((blocks - 8) * d.float()[..., None]).view(32, 128)
+    assert torch.equal(qlinear.dequantize_int4(q4_1), expected_1)
+    assert torch.equal(qlinear.dequantize_int4(q4_0), expected_0)
+    _codes, scale_min = int4_kernel.kernel_form(q4_1)
+    assert torch.equal(scale_min[:, 0], d) and torch.equal(scale_min[:, 1], m)
+    codes, symmetric = int4_kernel.kernel_form(q4_0)
+    assert symmetric.shape == (32, 1, 4) and torch.equal(symmetric[:, 0], d)
+    written_out = int4_kernel.full_form(symmetric)
+    assert torch.equal(int4_kernel.minimums(symmetric), written_out[:, 1].float())
+    x = torch.randn(3, 128)
+    alone = int4_kernel.matmul(x, codes, symmetric, 32)
+    assert torch.equal(alone, int4_kernel.matmul(x, codes, written_out, 32))
+    assert (alone.double() - x.double() @ expected_0.double().T).abs().max() < 1e-5
+    layer = qlinear.Int4Linear(q4_0, None)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), alone)

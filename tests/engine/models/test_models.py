@@ -438,13 +438,12 @@ def test_the_int4_form_read_from_a_q4_matrix_is_its_values_exactly(
             continue
         weight = tensor.read()
         assert torch.equal(qlinear.dequantize_int4(parts), weight), tensor.name
-        codes, scale_min = int4_kernel.kernel_form(
-            parts["qweight"], parts["scales"], parts["zeros"]
-        )
+        codes, scale_min = int4_kernel.kernel_form(parts)
         rows, cols = weight.shape
         blocks = codes.reshape(rows, cols // 32, 16)
         q = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()
-        kernel_values = q * scale_min[:, 0, :, None].float() + scale_min[:, 1, :, None].float()
+        minimum = int4_kernel.minimums(scale_min)
+        kernel_values = q * scale_min[:, 0, :, None].float() + minimum[..., None]
         assert torch.equal(kernel_values.reshape(rows, cols), weight), tensor.name
         if not tensor.name.endswith(("q_proj.weight", "k_proj.weight")):  # rows of their own
             half = rows // 2

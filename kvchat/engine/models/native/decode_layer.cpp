@@ -29,7 +29,7 @@ Tensor rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
 }
 
 using Int4Kernel = void (*)(const float*, int64_t, int64_t, const uint8_t*, const uint16_t*,
-                            int64_t, float*, float*, int32_t);
+                            int32_t, int64_t, float*, float*, int32_t);
 
 Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int64_t group,
                int64_t kernel) {
@@ -40,7 +40,8 @@ Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int6
     auto scratch = at::empty({m * (k / 32)}, rows.options());
     reinterpret_cast<Int4Kernel>(kernel)(
         rows.data_ptr<float>(), m, k, weight.data_ptr<uint8_t>(),
-        reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), n,
+        reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+        static_cast<int32_t>(scales.size(1) == 1), n,
         out.data_ptr<float>(), scratch.data_ptr<float>(),
         static_cast<int32_t>(at::get_num_threads()));
     return out;
