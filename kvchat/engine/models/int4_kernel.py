@@ -3,8 +3,8 @@ order, loaded with ctypes.
 
 Why not torch's ``_weight_int4pack_mm_for_cpu`` alone: it casts activations to bf16, and on a
 CPU without AVX-512 it is compute bound below the memory's speed. On the 2-core AVX2 EPYC
-this kernel was 1.3-1.7x as fast as torch's at one row over Gemma-3-4B's matrices (reading
-the weights at up to 13 GB/s) and 1.2-1.3x for a 64-row prefill chunk
+this kernel was 1.5-1.8x as fast as torch's at one row over Gemma-3-4B's matrices (reading
+the weights at up to 14 GB/s) and 1.2-1.3x for a 64-row prefill chunk
 (``benchmarks/bench_int4_kernel.py``), with float32's precision instead of bf16's.
 
 Exactness: a row's output is summed in one order whatever the row count and thread count

@@ -1,7 +1,7 @@
 """Weight-only quantized layers on CPU kernels: int8 per row, int4 per group.
 
 The kernels: int4 runs kvchat's own (``kvchat.engine.models.int4_kernel``: float32
-activations, one summation order for any row count; on the 2-core AVX2 EPYC 1.3-1.7x as
+activations, one summation order for any row count; on the 2-core AVX2 EPYC 1.5-1.8x as
 fast as torch's at one row, ``benchmarks/bench_int4_kernel.py``) wherever a C compiler built
 it, else torch's ``_weight_int4pack_mm_for_cpu``; int8 runs ``_weight_int8pack_mm``. torch's
 two take bf16 activations: measured on a Xeon (AVX512-BF16, AMX), all of SmolLM2-135M's
