@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402,F401  (this checkout's kvchat first on sys.path)
+import common  # noqa: E402  (this checkout's kvchat first on sys.path)
 
 from kvchat.lab import harness  # noqa: E402
 
@@ -43,14 +42,6 @@ def kernel_build() -> str:
     if " avx2" in flags and " fma" in flags:
         return "AVX2"
     return "plain C"
-
-
-def timed(fn, calls: int) -> float:
-    fn()  # warm
-    started = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - started) / calls
 
 
 def main() -> None:
@@ -87,11 +78,7 @@ def main() -> None:
                     torch.nn.functional.scaled_dot_product_attention,
                     query, key_rep, value_rep, attn_mask=mask, scale=scale,
                 )  # fmt: skip
-                ours_s, sdpa_s = [], []
-                for r in range(args.repeats):
-                    pair = [(ours, ours_s), (sdpa, sdpa_s)]
-                    for fn, into in pair if r % 2 == 0 else reversed(pair):
-                        into.append(timed(fn, calls))
+                ours_s, sdpa_s = common.alternating_timings(ours, sdpa, args.repeats, calls)
                 k_ms, s_ms = harness.median(ours_s) * 1e3, harness.median(sdpa_s) * 1e3
                 ratio = harness.median_ratio(sdpa_s, ours_s)
                 rows.append(

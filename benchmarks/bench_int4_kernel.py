@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402,F401  (this checkout's kvchat first on sys.path)
+import common  # noqa: E402  (this checkout's kvchat first on sys.path)
 
 from kvchat.lab import harness  # noqa: E402
 
@@ -33,14 +32,6 @@ SHAPES = [
     ("down_proj", 2560, 10240),
     ("vocabulary (tied head)", 262208, 2560),
 ]
-
-
-def timed(fn, calls: int) -> float:
-    fn()  # warm
-    started = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - started) / calls
 
 
 def main() -> None:
@@ -82,11 +73,7 @@ def main() -> None:
             calls = 1 if n > 100_000 else (10 if m == 1 else 2)
             ours = functools.partial(int4_kernel.matmul, x, codes, scale_min, n)
             theirs = functools.partial(qlinear.int4_mm, x, packed, scales_and_zeros)
-            ours_s, theirs_s = [], []
-            for r in range(args.repeats):
-                pair = [(ours, ours_s), (theirs, theirs_s)]
-                for fn, into in pair if r % 2 == 0 else reversed(pair):
-                    into.append(timed(fn, calls))
+            ours_s, theirs_s = common.alternating_timings(ours, theirs, args.repeats, calls)
             k_ms, t_ms = harness.median(ours_s) * 1e3, harness.median(theirs_s) * 1e3
             ratio = harness.median_ratio(theirs_s, ours_s)
             gbs = weight_bytes / (k_ms / 1e3) / 1e9

@@ -121,6 +121,29 @@ def stamped_generate(
     return outcome, harness.intervals(calls)
 
 
+def alternating_timings(
+    ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int, calls: int
+) -> tuple[list[float], list[float]]:
+    """Seconds per call of two functions timed in turn, ``repeats`` times each, the order
+    swapped every repeat (so neither always runs on a warmer machine); each timing is the
+    mean of ``calls`` calls after one to warm up."""
+
+    def timed(fn: Callable[[], Any]) -> float:
+        fn()
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - started) / calls
+
+    ours_s: list[float] = []
+    theirs_s: list[float] = []
+    for r in range(repeats):
+        pair = [(ours, ours_s), (theirs, theirs_s)]
+        for fn, into in pair if r % 2 == 0 else reversed(pair):
+            into.append(timed(fn))
+    return ours_s, theirs_s
+
+
 def timed_reply(loaded: Any, session: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
     """Exactly ``new_tokens`` greedy tokens after ``ids`` on ``session``'s cache (prefill in
     chunks of 256, no stop ids): :func:`reply_figures` of it, with the tokens."""

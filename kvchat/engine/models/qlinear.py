@@ -344,7 +344,35 @@ class Int4Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int4 group {GROUP}, {self.form}"
 
 
-class Int4Embedding(nn.Module):
+class _TableEmbedding(nn.Module):
+    """What the quantized embeddings share: the lookup's output dtype, the padding index, and
+    Gemma 3's sqrt(hidden) factor (``embed_scale``, which its embedding module applies)."""
+
+    def __init__(
+        self,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        embed_scale: torch.Tensor | None,
+        padding_idx: int | None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = shape
+        self.out_dtype = dtype
+        self.padding_idx = padding_idx
+        if embed_scale is not None:
+            self.register_buffer("embed_scale", embed_scale, persistent=False)
+        else:
+            self.embed_scale = None
+
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
+        """Looked-up rows in the output dtype, times the embedding scale if any."""
+        rows = rows.to(self.out_dtype)
+        if self.embed_scale is not None:
+            rows = rows * self.embed_scale.to(self.out_dtype)
+        return rows
+
+
+class Int4Embedding(_TableEmbedding):
     """Rows of an int4 table (kvchat's kernel form), dequantized as they are looked up.
 
     It reads the tensors of an :class:`Int4Linear` (the tied output head, or a table of its
@@ -358,45 +386,33 @@ class Int4Embedding(nn.Module):
         embed_scale: torch.Tensor | None = None,
         padding_idx: int | None = None,
     ) -> None:
-        super().__init__()
         if table.form != "kvchat":
             raise ValueError("an int4 embedding reads kvchat's int4 kernel form")
-        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        super().__init__((table.out_features, table.in_features), dtype, embed_scale, padding_idx)
         self.register_buffer("packed", table.packed)
         self.register_buffer("scale_min", table.scale_min)
-        self.out_dtype = dtype
-        self.padding_idx = padding_idx
-        if embed_scale is not None:
-            self.register_buffer("embed_scale", embed_scale, persistent=False)
-        else:
-            self.embed_scale = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.reshape(-1)
-        codes = self.packed[ids]  # [T, K/2]: byte j of a group holds columns j and j + 16
-        groups = self.embedding_dim // GROUP
-        codes = codes.reshape(-1, groups, GROUP // 2)
-        q = torch.cat([codes & 0x0F, codes >> 4], dim=-1).to(torch.float32)
         from kvchat.engine.models import int4_kernel
 
+        ids = input_ids.reshape(-1)
+        codes = self.packed[ids]  # [T, K/2]: byte j of a group holds columns j and j + 16
+        codes = codes.reshape(-1, self.embedding_dim // GROUP, GROUP // 2)
+        q = torch.cat([codes & 0x0F, codes >> 4], dim=-1).to(torch.float32)
         scale_min = self.scale_min[ids]  # [T, 1 or 2, groups]
         scale, minimum = scale_min[:, 0].to(torch.float32), int4_kernel.minimums(scale_min)
         rows = q * scale[..., None] + minimum[..., None]
-        rows = rows.reshape(*input_ids.shape, self.embedding_dim).to(self.out_dtype)
-        if self.embed_scale is not None:
-            rows = rows * self.embed_scale.to(self.out_dtype)
-        return rows
+        return self._scaled(rows.reshape(*input_ids.shape, self.embedding_dim))
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int4 group {GROUP}"
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(_TableEmbedding):
     """Rows of an int8 table times their scale.
 
     With tied embeddings the table's tensors are the ``lm_head``'s own (the same objects), so
-    the vocabulary matrix is held once. ``embed_scale`` carries Gemma 3's sqrt(hidden) factor
-    (its embedding module applies it).
+    the vocabulary matrix is held once.
     """
 
     def __init__(
@@ -406,23 +422,14 @@ class Int8Embedding(nn.Module):
         embed_scale: torch.Tensor | None = None,
         padding_idx: int | None = None,
     ) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = parts["qweight"].shape
+        super().__init__(tuple(parts["qweight"].shape), dtype, embed_scale, padding_idx)
         self.register_buffer("qweight", parts["qweight"])
         self.register_buffer("scales", parts["scales"])
-        self.out_dtype = dtype
-        self.padding_idx = padding_idx
-        if embed_scale is not None:
-            self.register_buffer("embed_scale", embed_scale, persistent=False)
-        else:
-            self.embed_scale = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         dtype = self.out_dtype
         rows = self.qweight[input_ids].to(dtype) * self.scales[input_ids, None].to(dtype)
-        if self.embed_scale is not None:
-            rows = rows * self.embed_scale.to(dtype)
-        return rows
+        return self._scaled(rows)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 per row"
