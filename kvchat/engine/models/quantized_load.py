@@ -202,11 +202,10 @@ def _write_small_form(
                 _write_vocab(writer, "vocab" if tied else module, lazy, mode)
                 return_freed_memory()
                 continue
-            takes_int4 = module in linears and qlinear.int4_supported(
-                torch.empty(lazy.shape, device="meta")
-            )
+            matrix = attr == "weight" and module in linears and len(lazy.shape) == 2
+            takes_int4 = matrix and qlinear.int4_supported(torch.empty(lazy.shape, device="meta"))
             own = lazy.int4_parts() if mode == "int4" and takes_int4 else None
-            if own is not None and attr == "weight":  # the file's 4-bit codes, not re-derived
+            if own is not None:  # the file's 4-bit codes, not re-derived
                 for part, value in own.items():
                     writer.add(f"{module}.{part}", value)
                 del own

@@ -171,6 +171,44 @@ def test_small_form_is_written_once_and_read_instead_of_the_floats(
     assert weights_nbytes(first) == weights_nbytes(reference)
 
 
+def test_a_model_with_biased_projections_loads_from_its_files_in_int4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen2's q/k/v biases (one-dimensional tensors of quantized layers) are read beside
+    their int4 weights: the model from its files computes what the one quantized in memory
+    does."""
+    import copy
+
+    from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from kvchat.engine.models import quantized_load
+
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.1)
+    model.save_pretrained(tmp_path / "qwen2")
+    reference = quantize_weights(copy.deepcopy(model), "int4")
+    loaded = quantized_load.load_quantized(
+        tmp_path / "qwen2", AutoConfig.from_pretrained(tmp_path / "qwen2"), torch.float32, "int4"
+    )
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
 _PEAK_PROBE = """
 import json, sys, psutil
 from kvchat.engine.models.load import load
