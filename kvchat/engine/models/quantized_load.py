@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvchat.engine.models import gguf_weights, qlinear
+from kvchat.engine.models import gguf_weights, int4_kernel, qlinear
 from kvchat.engine.models.fused import fuse_siblings
 from kvchat.engine.models.heap import return_freed_memory
 from kvchat.engine.models.meta_init import empty_model, fill_tensor
@@ -308,14 +308,13 @@ def _set_vocab(
     scale = scale if isinstance(scale, torch.Tensor) and scale.device.type != "meta" else None
     padding = getattr(old, "padding_idx", None)
     if qlinear.is_int4(parts):  # an int4 table (a GGUF's 4-bit one)
-        table = qlinear.Int4Linear(parts, None, float_output=True)
-        if table.form == "kvchat":
+        if parts["qweight"].is_cpu and int4_kernel.available():
+            table = qlinear.Int4Linear(parts, None, float_output=True)
             _set_module(model, embed, qlinear.Int4Embedding(table, dtype, scale, padding))
             if head is not None:  # tied: the head is the very same table
                 _set_module(model, head, table)
             return
-        # Only kvchat's kernel keeps rows a lookup can read: int8 per row instead.
-        del table
+        # Only kvchat's kernel form keeps rows a lookup can read: int8 per row instead.
         parts = qlinear.quantize_int8(qlinear.dequantize_int4(parts))
     _set_module(model, embed, qlinear.Int8Embedding(parts, dtype, scale, padding))
     if head is not None:  # tied: the head's buffers are the very same tensors

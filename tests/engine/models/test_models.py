@@ -493,6 +493,29 @@ def test_a_4_bit_vocabulary_table_stays_int4_with_its_values(
     assert weights_nbytes(model) - linears < table_bytes + 4096  # one table, and the norms
 
 
+def test_without_kvchats_kernel_a_4_bit_table_is_int8_and_the_layers_torchs(
+    offline_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No C compiler (or KVCHAT_INT4_KERNEL=0): the same small form loads onto torch's int4
+    kernel, the 4-bit vocabulary as int8 per row (torch's layout has no rows to look up)."""
+    import torch
+
+    from kvchat.engine.models import int4_kernel, qlinear
+
+    monkeypatch.setattr(int4_kernel, "available", lambda: False)
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", embedding_type="Q4_0", linear_type="Q4_0")
+    resolved = resolve_model(str(source))
+    float_model, tokenizer = load_model(resolved, weights="none")
+    model, _ = load_model(resolved, weights="int4")
+    assert isinstance(model.get_input_embeddings(), qlinear.Int8Embedding)
+    forms = {m.form for m in model.modules() if isinstance(m, qlinear.Int4Linear)}
+    assert forms <= {"torch"}
+    ids = tokenizer("the theme the", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        expected, logits = float_model(ids).logits, model(ids).logits
+    assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
+
+
 @pytest.mark.parametrize(
     ("embedding_type", "piece_bytes"),
     [(None, None), ("Q4_1", None), ("Q4_1", 1024), ("Q8_0", 1000)],
