@@ -26,19 +26,20 @@ from kvchat.engine.models.quantize import (
 from kvchat.engine.models.resolve import ResolvedModel
 from kvchat.errors import ModelLoadError
 
+TINY_SHAPE = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
 
 def tiny_llama(*, tied: bool = True) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
+    config = LlamaConfig(**TINY_SHAPE, tie_word_embeddings=tied)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 
@@ -184,17 +185,8 @@ def test_a_model_with_biased_projections_loads_from_its_files_in_int4(
     from kvchat.engine.models import quantized_load
 
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY_SHAPE, tie_word_embeddings=True)).eval()
     with torch.no_grad():
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
