@@ -50,6 +50,7 @@ __all__ = [
     "compile_kernel",
     "compiler",
     "exact_attention",
+    "switched_on",
     "usable",
     "window_of",
 ]
@@ -57,9 +58,11 @@ __all__ = [
 _library: ctypes.CDLL | None | bool = False  # False: not looked for yet
 
 
-def _enabled() -> bool:
-    flag = os.environ.get("KVCHAT_EXACT_ATTENTION", "1").strip().lower()
-    return flag not in {"0", "off", "false", "no"}
+def switched_on(variable: str) -> bool:
+    """Whether an on-by-default switch of kvchat's native code is on: off when the variable
+    is ``0``, ``off``, ``false`` or ``no`` (``KVCHAT_EXACT_ATTENTION``, ``KVCHAT_INT4_KERNEL``,
+    ``KVCHAT_NATIVE``)."""
+    return os.environ.get(variable, "1").strip().lower() not in {"0", "off", "false", "no"}
 
 
 def compiler() -> str | None:
@@ -148,7 +151,7 @@ def _build() -> ctypes.CDLL | None:
 def _kernel() -> ctypes.CDLL | None:
     global _library
     if _library is False:
-        _library = _build() if _enabled() else None
+        _library = _build() if switched_on("KVCHAT_EXACT_ATTENTION") else None
     return _library or None
 
 

@@ -19,7 +19,6 @@ run torch's kernel (:func:`available` says which).
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -41,11 +40,6 @@ __all__ = [
 _library: ctypes.CDLL | None | bool = False  # False: not looked for yet
 
 
-def _enabled() -> bool:
-    flag = os.environ.get("KVCHAT_INT4_KERNEL", "1").strip().lower()
-    return flag not in {"0", "off", "false", "no"}
-
-
 def load(path: Path) -> ctypes.CDLL | None:
     """The library at ``path`` with its function's signature, or None."""
     try:
@@ -64,9 +58,9 @@ def _kernel() -> ctypes.CDLL | None:
     global _library
     if _library is False:
         _library = None
-        if _enabled():
-            from kvchat.engine.kvdirect.exact_attention import built_library
+        from kvchat.engine.kvdirect.exact_attention import built_library, switched_on
 
+        if switched_on("KVCHAT_INT4_KERNEL"):
             path = built_library(SOURCE)
             _library = None if path is None else load(path)
     return _library or None

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvchat.engine.models import int4_kernel
 from kvchat.threads import every_thread
 
 GROUP = 32
@@ -285,8 +286,6 @@ class Int4Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.float_output = float_output
-        from kvchat.engine.models import int4_kernel
-
         packed = parts["qweight"]
         self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -326,8 +325,6 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.form == "kvchat":
-            from kvchat.engine.models import int4_kernel
-
             y = int4_kernel.matmul(rows, self.packed, self.scale_min, self.out_features)
             y = y if self.float_output else y.to(x.dtype)
         elif self.form == "torch":
@@ -393,8 +390,6 @@ class Int4Embedding(_TableEmbedding):
         self.register_buffer("scale_min", table.scale_min)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        from kvchat.engine.models import int4_kernel
-
         ids = input_ids.reshape(-1)
         codes = self.packed[ids]  # [T, K/2]: byte j of a group holds columns j and j + 16
         codes = codes.reshape(-1, self.embedding_dim // GROUP, GROUP // 2)

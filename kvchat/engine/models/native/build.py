@@ -42,7 +42,9 @@ __all__ = ["SOURCE", "Build", "enabled", "library_path", "start"]
 
 def enabled() -> bool:
     """False when ``KVCHAT_NATIVE=0`` (or ``off``/``false``/``no``)."""
-    return os.environ.get("KVCHAT_NATIVE", "1").strip().lower() not in {"0", "off", "false", "no"}
+    from kvchat.engine.kvdirect.exact_attention import switched_on
+
+    return switched_on("KVCHAT_NATIVE")
 
 
 def compiler() -> str | None:
