@@ -9,7 +9,9 @@ is the model's, not a re-implementation of it.
 
 Exactness note: ``project`` must be called with exactly the rows of one original forward
 call (see ``cache.py``); the projection GEMM's result for a row depends on how many rows the
-call had.
+call had. The exception is a layer whose projections all declare ``rows_independent``
+(kvchat's int4 kernel sums each row in one order for any row count): ``project`` may then
+take the rows of several calls at once (``projects_rows_independently``).
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class ArchAdapter:
         self._rotary_takes_layer_type = (
             rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         )
+        self._rows_independent: dict[int, bool] = {}
         first_attn = self._attention(0)
         self.apply_rope = getattr(
             sys.modules[type(first_attn).__module__], "apply_rotary_pos_emb", None
@@ -142,6 +145,23 @@ class ArchAdapter:
     def normalize(self, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's input norm over ``hidden`` ([1, M, d])."""
         return self._input_norm(layer_idx)(hidden)
+
+    def projects_rows_independently(self, layer_idx: int) -> bool:
+        """Whether every module ``project`` runs for the layer computes a row's output
+        independently of the other rows of the call (its ``rows_independent`` attribute),
+        so that rows of several original calls may be projected in one."""
+        known = self._rows_independent.get(layer_idx)
+        if known is None:
+            attn = self._attention(layer_idx)
+            if self.is_gpt2:
+                modules = [attn.c_attn]
+            elif hasattr(attn, "qkv_proj"):
+                modules = [attn.qkv_proj]
+            else:
+                modules = [attn.k_proj, attn.v_proj]
+            known = all(getattr(m, "rows_independent", False) is True for m in modules)
+            self._rows_independent[layer_idx] = known
+        return known
 
     def project(self, layer_idx: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw K and V rows ([1, M, kv_heads * head_dim]) of one original call's rows."""

@@ -3,7 +3,9 @@ residual pieces replayed through the layer's projections.
 
 A residual piece is replayed with the row count of the forward call that made it (the
 model's matmuls are not batch invariant, so other row counts would change the K/V in the
-last bits); consecutive one-row pieces share their row-independent steps. K/V pieces on
+last bits); consecutive one-row pieces share their row-independent steps, and consecutive
+pieces of any size share one projection call where the layer's projections are
+row-independent (kvchat's int4 kernel). K/V pieces on
 disk are read straight into attention's token-major buffer where they can be (CPU, the
 model's dtype), or in fixed windows counted from the first visible position when
 attention is streamed, so the sum runs in the same order however the rows were stored.
@@ -191,13 +193,17 @@ class ColdReader:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K/V of ``pieces`` (whose rows are ``rows``), clipped to [begin, end).
 
-        Consecutive one-row residual pieces (decoded tokens) are grouped: their norm,
-        k-norm and RoPE run once over the group (row-independent), while the projection
-        still runs one row per call, as it originally did.
+        Consecutive residual pieces are grouped where that changes no bit: their norm,
+        k-norm and RoPE run once over the group (row-independent). The projection runs once
+        over the group too where the layer's projections are row-independent
+        (``ArchAdapter.projects_rows_independently``); otherwise only one-row pieces
+        (decoded tokens) are grouped, and the projection still runs one row per call, as it
+        originally did.
         """
         layer = self.layer
         adapter = layer.owner.adapter
         idx = layer.layer_idx
+        any_rows = adapter.projects_rows_independently(idx)
         out = []
         i = 0
         while i < len(pieces):
@@ -207,11 +213,11 @@ class ColdReader:
                 i += 1
             else:
                 j = i
-                if pieces[i].rows == 1:
+                if any_rows or pieces[i].rows == 1:
                     while (
                         j + 1 < len(pieces)
                         and pieces[j + 1].form == "residual"
-                        and pieces[j + 1].rows == 1
+                        and (any_rows or pieces[j + 1].rows == 1)
                         and pieces[j + 1].start == pieces[j].end
                     ):
                         j += 1
@@ -225,12 +231,18 @@ class ColdReader:
                 else:
                     hidden = torch.cat(rows[i : j + 1], dim=1)
                     normed = adapter.normalize(idx, hidden)
-                    with rows_threads(1):
-                        parts = [
-                            adapter.project(idx, normed[:, r : r + 1]) for r in range(len(group))
-                        ]
-                    key = torch.cat([k for k, _ in parts], dim=1)
-                    value = torch.cat([v for _, v in parts], dim=1)
+                    if any_rows:
+                        # Any thread count gives these bits: take the many-row count.
+                        with rows_threads(hidden.shape[1]):
+                            key, value = adapter.project(idx, normed)
+                    else:
+                        with rows_threads(1):
+                            parts = [
+                                adapter.project(idx, normed[:, r : r + 1])
+                                for r in range(len(group))
+                            ]
+                        key = torch.cat([k for k, _ in parts], dim=1)
+                        value = torch.cat([v for _, v in parts], dim=1)
                 positions = torch.arange(first, stop, device=hidden.device).unsqueeze(0)
                 k, v = adapter.finish(idx, key, value, hidden, positions)
                 i = j + 1

@@ -195,6 +195,11 @@ class FusedProjection(nn.Module):
         self.in_features = group.in_features
         self.out_features = group.starts[index + 1] - group.starts[index]
 
+    @property
+    def rows_independent(self) -> bool:
+        """As :attr:`Int4Linear.rows_independent`, for the kernel that runs the group."""
+        return self.group.form == "kvchat"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.columns(self.index, x)
         return y.reshape(*x.shape[:-1], self.out_features)

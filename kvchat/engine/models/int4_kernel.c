@@ -27,7 +27,7 @@
 #endif
 
 #define GROUP 32
-#define ROW_TILE 4 /* activation rows sharing one unpacked weight group */
+#define ROW_TILE 8 /* activation rows sharing one unpacked weight group */
 
 typedef struct {
   const float *x;
@@ -220,7 +220,7 @@ void kvchat_int4_matmul(const float *x, int64_t rows, int64_t k, const uint8_t *
                         float *xsum, int32_t threads) {
   group_sums(x, rows, k, xsum);
   /* A thread costs tens of microseconds to start: only for a million weights and up. */
-  if ((double)n * (double)k * (double)(rows < 4 ? rows : 4) < 1.0e6) threads = 1;
+  if ((double)n * (double)k * (double)rows < 1.0e6) threads = 1;
   if (threads > 16) threads = 16;
   if (threads < 1) threads = 1;
   Job jobs[16];

@@ -322,6 +322,14 @@ class Int4Linear(nn.Module):
     def portable(self) -> bool:
         return self.form == "portable"
 
+    @property
+    def rows_independent(self) -> bool:
+        """Whether a row's output is the same whatever other rows share the call: true of
+        kvchat's kernel (one summation order for any row count and thread count), which
+        lets the cache replay rows of several forward calls in one
+        (``ArchAdapter.projects_rows_independently``)."""
+        return self.form == "kvchat"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.form == "kvchat":

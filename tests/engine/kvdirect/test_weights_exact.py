@@ -16,6 +16,7 @@ from kvchat.engine.chat.session import ChatSession
 from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
 from kvchat.engine.models.quantize import is_quantized, quantize_weights
 from kvchat.lab.tiny_models import FAMILIES
+from tests.engine.kvdirect.test_cache_exact import CHUNK as CHUNK_ROWS
 from tests.engine.kvdirect.test_cache_exact import NEW_PER_TURN, TURN_LENGTHS, kvdirect, tiny_model
 from tests.engine.kvdirect.test_cache_exact import run_conversation as converse
 
@@ -106,3 +107,38 @@ def test_smollm2_quantized_decode_equals_transformers_generate(smollm2_quantized
     )
     assert ours.tokens == expected
     assert "Paris" in tok.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_int4_replays_the_rows_of_many_calls_in_one_projection(family, monkeypatch) -> None:
+    """kvchat's int4 kernel gives a row the same bits in any call, so a replay projects a
+    run of residual pieces (a prefill chunk, then decoded rows) in one call instead of one
+    call per original forward call, and the logits stay the standard cache's."""
+    from kvchat.engine.kvdirect.arch import ArchAdapter
+    from kvchat.engine.models import int4_kernel
+
+    if not int4_kernel.available():
+        pytest.skip("no C compiler: int4 runs torch's kernel, replayed call by call")
+    calls: dict[str, list[int]] = {}
+    original = ArchAdapter.project
+
+    def counting(self, layer_idx, normed):
+        calls[mode].append(normed.shape[1])
+        return original(self, layer_idx, normed)
+
+    monkeypatch.setattr(ArchAdapter, "project", counting)
+    for mode in ("int8", "int4"):
+        model = quantize_weights(tiny_model(family), mode)
+        independent = ArchAdapter(model).projects_rows_independently(0)
+        assert independent == (mode == "int4")
+        ref_tokens, ref_logits = converse(model, DynamicCache(config=model.config))
+        calls[mode] = []
+        cache = kvdirect(model, 4)
+        tokens, logits = converse(model, cache)
+        cache.detach()
+        assert cache.stats.recomputed_tokens > 0
+        assert tokens == ref_tokens
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), mode
+    assert max(calls["int8"]) <= CHUNK_ROWS  # never more rows than one original call
+    assert max(calls["int4"]) > CHUNK_ROWS  # several calls' rows at once
+    assert len(calls["int4"]) * 5 < len(calls["int8"])
