@@ -223,26 +223,20 @@ class ColdReader:
                         j += 1
                 group = pieces[i : j + 1]
                 stop = group[-1].end
-                if len(group) == 1:
-                    hidden = rows[i]
-                    # the thread count of the original call (it can change the bits)
+                hidden = rows[i] if len(group) == 1 else torch.cat(rows[i : j + 1], dim=1)
+                if len(group) == 1 or any_rows:
+                    # One call: the original call's rows on its thread count (the count can
+                    # change the bits), or rows the layer projects independently of it.
                     with rows_threads(hidden.shape[1]):
                         key, value = adapter.project(idx, adapter.normalize(idx, hidden))
                 else:
-                    hidden = torch.cat(rows[i : j + 1], dim=1)
                     normed = adapter.normalize(idx, hidden)
-                    if any_rows:
-                        # Any thread count gives these bits: take the many-row count.
-                        with rows_threads(hidden.shape[1]):
-                            key, value = adapter.project(idx, normed)
-                    else:
-                        with rows_threads(1):
-                            parts = [
-                                adapter.project(idx, normed[:, r : r + 1])
-                                for r in range(len(group))
-                            ]
-                        key = torch.cat([k for k, _ in parts], dim=1)
-                        value = torch.cat([v for _, v in parts], dim=1)
+                    with rows_threads(1):
+                        parts = [
+                            adapter.project(idx, normed[:, r : r + 1]) for r in range(len(group))
+                        ]
+                    key = torch.cat([k for k, _ in parts], dim=1)
+                    value = torch.cat([v for _, v in parts], dim=1)
                 positions = torch.arange(first, stop, device=hidden.device).unsqueeze(0)
                 k, v = adapter.finish(idx, key, value, hidden, positions)
                 i = j + 1

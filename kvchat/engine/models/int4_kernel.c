@@ -219,7 +219,7 @@ void kvchat_int4_matmul(const float *x, int64_t rows, int64_t k, const uint8_t *
                         const uint16_t *scale_min, int32_t symmetric, int64_t n, float *out,
                         float *xsum, int32_t threads) {
   group_sums(x, rows, k, xsum);
-  /* A thread costs tens of microseconds to start: only for a million weights and up. */
+  /* A thread costs tens of microseconds to start: only for a million multiply-adds and up. */
   if ((double)n * (double)k * (double)rows < 1.0e6) threads = 1;
   if (threads > 16) threads = 16;
   if (threads < 1) threads = 1;
