@@ -1,12 +1,12 @@
 """int4 weights alone: kvchat's kernel against torch's ``_weight_int4pack_mm_for_cpu``.
 
 Both multiply the same int4 weights (group 32, random codes and scales) by the same
-activations: kvchat's kernel (``engine/models/int4_kernel.c``) quantizes them to int8 per
-group of 32, torch's casts them to bf16 as kvchat called it before. Shapes: Gemma 3 4B's
-stacked q/k/v, o_proj, stacked gate/up and down_proj, and its 262K-row vocabulary (the tied
-head of a 4-bit GGUF), at one row (a decode step) and 64 rows (a prefill chunk). Interleaved
-runs in this process on the same thread count; ratio = torch's time / the kernel's (above 1:
-the kernel is faster). GB/s counts the weight bytes one call reads (codes and group scales).
+activations: kvchat's kernel (``engine/models/int4_kernel.c``) in float32, torch's with the
+activations cast to bf16 as kvchat called it before. Shapes: Gemma 3 4B's stacked q/k/v,
+o_proj, stacked gate/up and down_proj, and its 262K-row vocabulary (the tied head of a 4-bit
+GGUF), at one row (a decode step) and 64 rows (a prefill chunk). Interleaved runs in this
+process on the same thread count; ratio = torch's time / the kernel's (above 1: the kernel
+is faster). GB/s counts the weight bytes one call reads (codes and group scales).
 
 Run from the repository root: ``python benchmarks/bench_int4_kernel.py [--repeats 5]``.
 """

@@ -1,5 +1,5 @@
-"""kvchat's int4 kernel: the right sums of its int8 activations, one summation order for any
-row count, thread count or build, and GGUF's Q4 numbers kept exactly."""
+"""kvchat's int4 kernel: the right sums, one summation order for any row count, thread count
+or build, and GGUF's Q4 numbers kept exactly."""
 
 from __future__ import annotations
 
@@ -20,44 +20,34 @@ def _layer(n: int, k: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], qlin
     return parts, qlinear.Int4Linear({name: t.clone() for name, t in parts.items()}, None)
 
 
-def _expected(x: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The product the kernel promises, in float64: each row's activations quantized to int8
-    per group of 32 (round(x * 127 / max|x|), nearest even, in float32 as the kernel does)
-    times the codes' values, plus each group's minimum times the sum of the same int8
-    activations: the weights' values times the quantized activations."""
+def _grid(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float64 weight the kernel's form stands for (its fp16 scales and minimums)."""
     _codes, scale_min = int4_kernel.kernel_form(parts)
     n, k = parts["qweight"].shape[0], parts["qweight"].shape[1] * 2
     codes = torch.stack([parts["qweight"] & 15, parts["qweight"] >> 4], dim=-1)
     q = codes.reshape(n, k // 32, 32).double()
-    groups = x.reshape(x.shape[0], k // 32, 32)
-    amax = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    x_codes = torch.round(groups * inverse).double()
-    x_scale = (amax / 127.0).double()[..., 0]
     scale, minimum = scale_min[:, 0].double(), int4_kernel.minimums(scale_min).double()
-    products = torch.einsum("rgj,ngj->rng", x_codes, q) * x_scale[:, None, :] * scale[None]
-    return products.sum(-1) + (x_codes.sum(-1) * x_scale) @ minimum.T
+    return (q * scale[..., None] + minimum[..., None]).reshape(n, k)
 
 
-def test_the_kernel_computes_the_product_of_its_int8_activations_and_its_weights():
+def test_the_kernel_computes_the_product_with_its_weights():
     parts, layer = _layer(300, 256)
     assert layer.form == "kvchat"
     x = torch.randn(7, 256)
-    x[3, 32:64] = 0  # a group of zeros: scale 0, codes 0
     with torch.inference_mode():
         y = layer(x)
-    assert (y.double() - _expected(x, parts)).abs().max() < 1e-5
+    expected = x.double() @ _grid(parts).T
+    assert (y.double() - expected).abs().max() < 1e-5
 
 
 def test_the_kernel_is_close_to_the_stored_weights():
-    # int8 activations (llama.cpp's Q4 x Q8 products do the same) and fp16 scales: about
-    # half a percent from the float32 product with the form quantize_int4 keeps
+    # fp16 scales: within a few parts in ten thousand of the float32 form quantize_int4 keeps
     parts, layer = _layer(64, 512, seed=1)
     x = torch.randn(3, 512)
     with torch.inference_mode():
         y = layer(x)
     exact = x.double() @ qlinear.dequantize_int4(parts).double().T
-    assert (y.double() - exact).norm() / exact.norm() < 1e-2
+    assert (y.double() - exact).norm() / exact.norm() < 1e-3
 
 
 def test_a_rows_bits_do_not_depend_on_the_call_or_the_threads():
@@ -92,13 +82,13 @@ def test_the_plain_c_build_gives_the_vector_builds_bits(tmp_path):
     x = torch.randn(6, 320)
     outs = {}
     for name, library in builds.items():
-        out = torch.empty(6, 96)
-        assert 0 == library.kvchat_int4_matmul(
+        out, scratch = torch.empty(6, 96), torch.empty(6 * 10)
+        library.kvchat_int4_matmul(
             x.data_ptr(), 6, 320, codes.data_ptr(), scale_min.data_ptr(), 0, 96,
-            out.data_ptr(), 1,
+            out.data_ptr(), scratch.data_ptr(), 1,
         )  # fmt: skip
         outs[name] = out
-    expected = _expected(x, parts)
+    expected = x.double() @ _grid(parts).T
     for name, out in outs.items():
         assert (out.double() - expected).abs().max() < 1e-5, name
         assert torch.equal(out, outs["portable"]), name
@@ -128,7 +118,7 @@ def test_a_gguf_q4_blocks_numbers_are_held_exactly():
     x = torch.randn(3, 128)
     alone = int4_kernel.matmul(x, codes, symmetric, 32)
     assert torch.equal(alone, int4_kernel.matmul(x, codes, written_out, 32))
-    assert (alone.double() - _expected(x, q4_0)).abs().max() < 1e-5
+    assert (alone.double() - x.double() @ expected_0.double().T).abs().max() < 1e-5
     layer = qlinear.Int4Linear(q4_0, None)
     with torch.inference_mode():
         assert torch.equal(layer(x), alone)

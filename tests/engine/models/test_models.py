@@ -458,9 +458,8 @@ def test_a_4_bit_vocabulary_table_stays_int4_with_its_values(
 ) -> None:
     """In int4 mode a GGUF's Q4_0/Q4_1 vocabulary table is held as the file's codes and
     scales, once for the embedding and the tied head: the rows looked up are the file's
-    values exactly, and the logits those of the float weights within what the kernel's int8
-    activations cost (about half a percent); a wider table (Q8_0) goes to int8 per row as
-    before."""
+    values exactly, and the logits those of the float weights within float32 rounding;
+    a wider table (Q8_0) goes to int8 per row as before."""
     import torch
 
     from kvchat.engine.models import int4_kernel, qlinear
@@ -486,7 +485,7 @@ def test_a_4_bit_vocabulary_table_stays_int4_with_its_values(
     assert isinstance(embed, qlinear.Int4Embedding) and isinstance(head, qlinear.Int4Linear)
     assert embed.packed is head.packed and embed.scale_min is head.scale_min
     assert torch.equal(rows, float_model.get_input_embeddings()(ids))
-    assert (logits - expected).abs().max() < 0.02 * expected.abs().max()
+    assert (logits - expected).abs().max() < 1e-4
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
     vocab, hidden = head.out_features, head.in_features
     table_bytes = vocab * hidden // 2 + vocab * (hidden // 32) * 4

@@ -8,7 +8,7 @@
 // A projection is (weight, scales, group): group > 0 is torch's int4 CPU kernel with that
 // group size, group == 0 its int8 kernel, with activations cast to bfloat16 around them as
 // kvchat/engine/models/qlinear.py does; group == -1 is kvchat's int4 kernel
-// (kvchat/engine/models/int4_kernel.c, int8 activations), called through the address of
+// (kvchat/engine/models/int4_kernel.c, float32 activations), called through the address of
 // the function the Python side loaded, so both sides run the same compiled code.
 
 #include <ATen/ATen.h>
@@ -28,8 +28,8 @@ Tensor rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
   return weight * (hidden * at::rsqrt(variance + eps));
 }
 
-using Int4Kernel = int32_t (*)(const float*, int64_t, int64_t, const uint8_t*,
-                               const uint16_t*, int32_t, int64_t, float*, int32_t);
+using Int4Kernel = void (*)(const float*, int64_t, int64_t, const uint8_t*, const uint16_t*,
+                            int32_t, int64_t, float*, float*, int32_t);
 
 Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int64_t group,
                int64_t kernel) {
@@ -37,12 +37,13 @@ Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int6
     auto rows = x.reshape({-1, x.size(-1)}).contiguous();
     const int64_t m = rows.size(0), k = rows.size(1), n = weight.size(0);
     auto out = at::empty({m, n}, rows.options());
-    const int32_t failed = reinterpret_cast<Int4Kernel>(kernel)(
+    auto scratch = at::empty({m * (k / 32)}, rows.options());
+    reinterpret_cast<Int4Kernel>(kernel)(
         rows.data_ptr<float>(), m, k, weight.data_ptr<uint8_t>(),
         reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-        static_cast<int32_t>(scales.size(1) == 1), n, out.data_ptr<float>(),
+        static_cast<int32_t>(scales.size(1) == 1), n,
+        out.data_ptr<float>(), scratch.data_ptr<float>(),
         static_cast<int32_t>(at::get_num_threads()));
-    TORCH_CHECK(failed == 0, "the int4 kernel could not allocate its int8 activations");
     return out;
   }
   auto rows = x.reshape({-1, x.size(-1)}).to(at::kBFloat16);

@@ -2,7 +2,7 @@
 
 What it serves: a :class:`~kvchat.engine.models.decode_step.DecodeStep` of the Llama family
 (a SiLU-gated MLP; Qwen2's q/k/v biases too) or of Gemma 3 (q/k norms, four norms per block,
-a tanh-GELU-gated MLP) whose model kvchat quantized on CPU, float32 hidden states, every
+a tanh-GELU-gated MLP) whose model kvchat quantized on CPU, float32 activations, every
 layer's q/k/v and gate/up stacked into one int4 or int8 kernel call each
 (``kvchat.engine.models.fused``), and o_proj and down_proj quantized alone without biases.
 That is the default form of the default model, of a Gemma 3 GGUF and of a Qwen2 one;
