@@ -51,6 +51,7 @@ __all__ = [
     "decode_threads_for",
     "default_threads",
     "every_thread",
+    "kernel_threads",
     "prefer_passive_wait",
     "resolve_threads",
     "rows_threads",
@@ -144,6 +145,18 @@ def every_thread() -> OnThreads:
     for waking the other threads (the output head of a small model, see ``qlinear``), whose
     kernel gives the same bits on any count."""
     return OnThreads(_counts["rows"])
+
+
+def kernel_threads() -> int:
+    """The count for kvchat's own int4 kernel, for calls of any row count: the prefill count
+    (or torch's, when nothing set one). Its bits do not depend on the count, and it hands
+    work to workers of its own that wait briefly for the next call, so a decode step of a
+    small model pays no wake-up per call, which is what keeps those on one thread."""
+    if _counts["rows"] is not None:
+        return _counts["rows"]
+    import torch
+
+    return torch.get_num_threads()
 
 
 def threads_for_rows(rows: int) -> int | None:

@@ -18,6 +18,8 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -222,11 +224,102 @@ static void rows_tile(const Job *job, int64_t r0, int64_t nr) {
 
 #endif
 
-static void *run_job(void *arg) {
-  const Job *job = (const Job *)arg;
+static void run_job(const Job *job) {
   for (int64_t r = 0; r < job->rows; r += ROW_TILE)
     rows_tile(job, r, job->rows - r < ROW_TILE ? job->rows - r : ROW_TILE);
+}
+
+/* Worker threads kept between calls. Why: a decode step makes a few hundred calls of tens to
+   hundreds of microseconds, and starting a thread per call cost ~30 us of each. A worker
+   spins a short while for its next job (the next call usually comes within that), then
+   sleeps on a condition variable. Each worker has its own slot, so a job is only ever seen
+   by the worker it was given to. */
+#define MAX_THREADS 16
+#define SPINS 20000 /* polls of the slot before sleeping: on the order of 100 us */
+
+typedef struct {
+  pthread_mutex_t lock;
+  pthread_cond_t wake;
+  pthread_t id;
+  const Job *job;
+  atomic_uint given, done; /* tickets: the worker runs a job when given moves past done */
+} Slot;
+
+static Slot slots[MAX_THREADS];
+static int workers = 0; /* slots 1..workers have a running thread */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+static void *worker_loop(void *arg) {
+  Slot *slot = (Slot *)arg;
+  unsigned seen = atomic_load(&slot->done);
+  for (;;) {
+    for (int i = 0; i < SPINS && atomic_load_explicit(&slot->given, memory_order_acquire) == seen;
+         i++)
+      relax();
+    pthread_mutex_lock(&slot->lock);
+    while (atomic_load_explicit(&slot->given, memory_order_acquire) == seen)
+      pthread_cond_wait(&slot->wake, &slot->lock);
+    pthread_mutex_unlock(&slot->lock);
+    seen++;
+    run_job(slot->job);
+    atomic_store_explicit(&slot->done, seen, memory_order_release);
+  }
   return NULL;
+}
+
+/* A child of fork() has none of its parent's workers: start afresh. */
+static void forget_workers(void) {
+  workers = 0;
+  pthread_mutex_init(&pool_lock, NULL);
+}
+
+/* Slots 1..want with running workers, as many as could be started; returns how many. */
+static int start_workers(int want) {
+  static int registered = 0;
+  if (!registered) {
+    pthread_atfork(NULL, NULL, forget_workers);
+    registered = 1;
+  }
+  for (; workers < want; workers++) {
+    Slot *slot = &slots[workers + 1];
+    pthread_mutex_init(&slot->lock, NULL);
+    pthread_cond_init(&slot->wake, NULL);
+    atomic_store(&slot->given, 0);
+    atomic_store(&slot->done, 0);
+    if (pthread_create(&slot->id, NULL, worker_loop, slot) != 0) break;
+  }
+  return workers < want ? workers : want;
+}
+
+/* Runs jobs[0..count-1]: jobs[0] here, the rest on workers; what no worker takes, here. */
+static void run_jobs(const Job *jobs, int count) {
+  /* One caller at a time owns the workers; a concurrent caller runs its jobs itself. */
+  int helpers = 0;
+  const int owner = count > 1 && pthread_mutex_trylock(&pool_lock) == 0;
+  if (owner) helpers = start_workers(count - 1);
+  for (int t = 1; t <= helpers; t++) {
+    Slot *slot = &slots[t];
+    slot->job = &jobs[t];
+    pthread_mutex_lock(&slot->lock);
+    atomic_fetch_add_explicit(&slot->given, 1, memory_order_release);
+    pthread_cond_signal(&slot->wake);
+    pthread_mutex_unlock(&slot->lock);
+  }
+  for (int t = helpers + 1; t < count; t++) run_job(&jobs[t]);
+  run_job(&jobs[0]);
+  for (int t = 1; t <= helpers; t++) {
+    const unsigned ticket = atomic_load(&slots[t].given);
+    for (int i = 0; atomic_load_explicit(&slots[t].done, memory_order_acquire) != ticket; i++)
+      if (i > SPINS) sched_yield();
+      else relax();
+  }
+  if (owner) pthread_mutex_unlock(&pool_lock);
 }
 
 /* out [rows][n] = x [rows][k] times W [n][k] transposed; xsum is scratch of rows * k / 32
@@ -235,21 +328,15 @@ void kvchat_int4_matmul(const float *x, int64_t rows, int64_t k, const uint8_t *
                         const uint16_t *scale_min, int32_t symmetric, int64_t n, float *out,
                         float *xsum, int32_t threads) {
   group_sums(x, rows, k, xsum);
-  /* A thread costs tens of microseconds to start: only for a million multiply-adds and up. */
-  if ((double)n * (double)k * (double)rows < 1.0e6) threads = 1;
-  if (threads > 16) threads = 16;
+  /* Handing a job to a worker costs microseconds: only for a million multiply-adds and up. */
+  if ((double)n * (double)k * (double)rows < 2.0e5) threads = 1;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
   if (threads < 1) threads = 1;
-  Job jobs[16];
-  pthread_t ids[16];
+  Job jobs[MAX_THREADS];
   const int64_t per = (n + threads - 1) / threads;
   for (int32_t t = 0; t < threads; t++) {
     const int64_t n0 = t * per < n ? t * per : n, n1 = (t + 1) * per < n ? (t + 1) * per : n;
     jobs[t] = (Job){x, xsum, rows, k, codes, scale_min, symmetric, n, out, n0, n1};
   }
-  int32_t started = 1;
-  for (; started < threads; started++)
-    if (pthread_create(&ids[started], NULL, run_job, &jobs[started]) != 0) break;
-  for (int32_t t = started; t < threads; t++) run_job(&jobs[t]); /* what could not start */
-  run_job(&jobs[0]);
-  for (int32_t t = 1; t < started; t++) pthread_join(ids[t], NULL);
+  run_jobs(jobs, threads);
 }

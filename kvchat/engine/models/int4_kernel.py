@@ -2,10 +2,12 @@
 order, loaded with ctypes.
 
 Why not torch's ``_weight_int4pack_mm_for_cpu`` alone: it casts activations to bf16, and on a
-CPU without AVX-512 it is compute bound below the memory's speed. On the 2-core AVX2 EPYC
-this kernel was 1.5-1.8x as fast as torch's at one row over Gemma-3-4B's matrices (reading
-the weights at up to 14 GB/s) and 1.2-1.3x for a 64-row prefill chunk
-(``benchmarks/bench_int4_kernel.py``), with float32's precision instead of bf16's.
+CPU without AVX-512 it is compute bound below the memory's speed. This kernel is faster at
+one row and at a prefill chunk's 64 (``benchmarks/bench_int4_kernel.py`` measures both),
+with float32's precision instead of bf16's. Why not int8 activations, as llama.cpp's Q4
+products use: tried, they were faster for prefill but changed the default model's greedy
+answers (its int4 top-1 agreement with float32 fell by ~2 points in
+``benchmarks/bench_weights.py``).
 
 Exactness: a row's output is summed in one order whatever the row count and thread count
 (a decode row and the same row in a prefill chunk get the same bits), and the plain C build
@@ -22,6 +24,8 @@ import ctypes
 from pathlib import Path
 
 import torch
+
+from kvchat.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("int4_kernel.c")
 GROUP = 32
@@ -133,6 +137,6 @@ def matmul(
     scratch = torch.empty(m * (k // GROUP))
     kernel.kvchat_int4_matmul(
         x.data_ptr(), m, k, codes.data_ptr(), scale_min.data_ptr(), int(scale_min.shape[1] == 1),
-        out_features, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+        out_features, out.data_ptr(), scratch.data_ptr(), kernel_threads(),
     )  # fmt: skip
     return out

@@ -1,15 +1,15 @@
 """Weight-only quantized layers on CPU kernels: int8 per row, int4 per group.
 
 The kernels: int4 runs kvchat's own (``kvchat.engine.models.int4_kernel``: float32
-activations, one summation order for any row count; on the 2-core AVX2 EPYC 1.5-1.8x as
-fast as torch's at one row, ``benchmarks/bench_int4_kernel.py``) wherever a C compiler built
-it, else torch's ``_weight_int4pack_mm_for_cpu``; int8 runs ``_weight_int8pack_mm``. torch's
-two take bf16 activations: measured on a Xeon (AVX512-BF16, AMX), all of SmolLM2-135M's
-linears for one decode token took fp32 ~47 ms, bf16 ~40 ms, int8 ~17.5 ms and int4 ~14 ms
-with bf16 activations, and with fp32 ones those kernels are 3-9x SLOWER than fp32, so
-activations are cast to bf16 around them and back. torchao 0.18 installs beside torch 2.13
-but calls these same two kernels for its CPU int8/int4 weight-only layouts, behind tensor
-subclasses. optimum-quanto (maintenance mode since Nov 2025) decoded 2x slower than fp32.
+activations, one summation order for any row count; faster than torch's,
+``benchmarks/bench_int4_kernel.py``) wherever a C compiler built it, else torch's
+``_weight_int4pack_mm_for_cpu``; int8 runs ``_weight_int8pack_mm``. torch's two take bf16
+activations: measured on a Xeon (AVX512-BF16, AMX), all of SmolLM2-135M's linears for one
+decode token took fp32 ~47 ms, bf16 ~40 ms, int8 ~17.5 ms and int4 ~14 ms with bf16
+activations, and with fp32 ones those kernels are 3-9x SLOWER than fp32, so activations are
+cast to bf16 around them and back. torchao 0.18 installs beside torch 2.13 but calls these
+same two kernels for its CPU int8/int4 weight-only layouts, behind tensor subclasses.
+optimum-quanto (maintenance mode since Nov 2025) decoded 2x slower than fp32.
 
 Formats (what is stored on disk, device independent):
 

@@ -122,3 +122,35 @@ def test_a_gguf_q4_blocks_numbers_are_held_exactly():
     layer = qlinear.Int4Linear(q4_0, None)
     with torch.inference_mode():
         assert torch.equal(layer(x), alone)
+
+
+def test_calls_from_several_threads_and_a_forked_child_share_the_workers_safely():
+    """The kernel keeps its worker threads between calls: two Python threads calling it at
+    once (ctypes lets go of the GIL) and a child forked after the workers started (it has
+    none of them) get the same bits as one call alone."""
+    import os
+    import threading
+
+    from kvchat.threads import OnThreads
+
+    _parts, layer = _layer(1200, 1024, seed=5)
+    x = torch.randn(3, 1024)
+    with torch.inference_mode(), OnThreads(2):
+        expected = layer(x)
+        results: list[torch.Tensor] = []
+
+        def call() -> None:
+            for _ in range(20):
+                results.append(layer(x))
+
+        callers = [threading.Thread(target=call) for _ in range(2)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join()
+        assert len(results) == 40 and all(torch.equal(r, expected) for r in results)
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if its call gives the same bits
+            os._exit(0 if torch.equal(layer(x), expected) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0

@@ -9,7 +9,8 @@
 // group size, group == 0 its int8 kernel, with activations cast to bfloat16 around them as
 // kvchat/engine/models/qlinear.py does; group == -1 is kvchat's int4 kernel
 // (kvchat/engine/models/int4_kernel.c, float32 activations), called through the address of
-// the function the Python side loaded, so both sides run the same compiled code.
+// the function the Python side loaded, so both sides run the same compiled code, on the
+// thread count the Python side passes (its bits do not depend on it).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,7 +33,7 @@ using Int4Kernel = void (*)(const float*, int64_t, int64_t, const uint8_t*, cons
                             int32_t, int64_t, float*, float*, int32_t);
 
 Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int64_t group,
-               int64_t kernel) {
+               int64_t kernel, int64_t threads) {
   if (group == -1) {
     auto rows = x.reshape({-1, x.size(-1)}).contiguous();
     const int64_t m = rows.size(0), k = rows.size(1), n = weight.size(0);
@@ -43,7 +44,7 @@ Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int6
         reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
         static_cast<int32_t>(scales.size(1) == 1), n,
         out.data_ptr<float>(), scratch.data_ptr<float>(),
-        static_cast<int32_t>(at::get_num_threads()));
+        static_cast<int32_t>(threads));
     return out;
   }
   auto rows = x.reshape({-1, x.size(-1)}).to(at::kBFloat16);
@@ -60,9 +61,9 @@ std::tuple<Tensor, Tensor, Tensor> before_attention(
     const Tensor& hidden, const Tensor& norm_weight, double eps, const Tensor& qkv_weight,
     const Tensor& qkv_scales, int64_t qkv_group, const std::optional<Tensor>& qkv_bias,
     int64_t q_width, int64_t k_width, int64_t head_dim, const Tensor& cos, const Tensor& sin,
-    int64_t kernel) {
+    int64_t kernel, int64_t threads) {
   auto x = rms_norm(hidden, norm_weight, eps);
-  auto stacked = project(x, qkv_weight, qkv_scales, qkv_group, kernel);
+  auto stacked = project(x, qkv_weight, qkv_scales, qkv_group, kernel, threads);
   if (qkv_bias.has_value()) stacked = stacked + *qkv_bias;
   auto qk = stacked.slice(1, 0, q_width + k_width).view({1, 1, -1, head_dim}).transpose(1, 2);
   auto half = head_dim / 2;
@@ -80,14 +81,14 @@ Tensor after_attention(
     const Tensor& o_scales, int64_t o_group, const Tensor& norm_weight, double eps,
     const Tensor& gate_up_weight, const Tensor& gate_up_scales, int64_t gate_up_group,
     int64_t gate_width, const Tensor& down_weight, const Tensor& down_scales,
-    int64_t down_group, int64_t kernel) {
-  auto o = project(attended, o_weight, o_scales, o_group, kernel);
+    int64_t down_group, int64_t kernel, int64_t threads) {
+  auto o = project(attended, o_weight, o_scales, o_group, kernel, threads);
   auto hidden = residual + o.reshape({1, 1, -1});
   auto x = rms_norm(hidden, norm_weight, eps);
-  auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group, kernel);
+  auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group, kernel, threads);
   auto gate = gate_up.slice(1, 0, gate_width).reshape({1, 1, -1});
   auto up = gate_up.slice(1, gate_width).reshape({1, 1, -1});
-  auto down = project(at::silu(gate) * up, down_weight, down_scales, down_group, kernel);
+  auto down = project(at::silu(gate) * up, down_weight, down_scales, down_group, kernel, threads);
   return hidden + down.reshape({1, 1, -1});
 }
 
@@ -109,9 +110,9 @@ std::tuple<Tensor, Tensor, Tensor> gemma_before_attention(
     const Tensor& hidden, const Tensor& norm_weight, double eps, const Tensor& qkv_weight,
     const Tensor& qkv_scales, int64_t qkv_group, int64_t q_width, int64_t k_width,
     int64_t head_dim, const Tensor& q_norm_weight, double q_eps, const Tensor& k_norm_weight,
-    double k_eps, const Tensor& cos, const Tensor& sin, int64_t kernel) {
+    double k_eps, const Tensor& cos, const Tensor& sin, int64_t kernel, int64_t threads) {
   auto x = gemma_norm(hidden, norm_weight, eps);
-  auto stacked = project(x, qkv_weight, qkv_scales, qkv_group, kernel);
+  auto stacked = project(x, qkv_weight, qkv_scales, qkv_group, kernel, threads);
   auto heads = [&](int64_t from, int64_t to) {
     return stacked.slice(1, from, to).view({1, 1, -1, head_dim}).transpose(1, 2);
   };
@@ -129,14 +130,15 @@ Tensor gemma_after_attention(
     const Tensor& pre_ff_weight, double pre_ff_eps, const Tensor& gate_up_weight,
     const Tensor& gate_up_scales, int64_t gate_up_group, int64_t gate_width,
     const Tensor& down_weight, const Tensor& down_scales, int64_t down_group,
-    const Tensor& post_ff_weight, double post_ff_eps, int64_t kernel) {
-  auto o = project(attended, o_weight, o_scales, o_group, kernel).reshape({1, 1, -1});
+    const Tensor& post_ff_weight, double post_ff_eps, int64_t kernel, int64_t threads) {
+  auto o = project(attended, o_weight, o_scales, o_group, kernel, threads).reshape({1, 1, -1});
   auto hidden = residual + gemma_norm(o, post_norm_weight, post_eps);
   auto x = gemma_norm(hidden, pre_ff_weight, pre_ff_eps);
-  auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group, kernel);
+  auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group, kernel, threads);
   auto gate = gate_up.slice(1, 0, gate_width).reshape({1, 1, -1});
   auto up = gate_up.slice(1, gate_width).reshape({1, 1, -1});
-  auto down = project(at::gelu(gate, "tanh") * up, down_weight, down_scales, down_group, kernel);
+  auto down = project(at::gelu(gate, "tanh") * up, down_weight, down_scales, down_group,
+                      kernel, threads);
   return hidden + gemma_norm(down.reshape({1, 1, -1}), post_ff_weight, post_ff_eps);
 }
 
@@ -146,25 +148,25 @@ TORCH_LIBRARY(kvchat_native, m) {
   m.def(
       "before_attention(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_weight, "
       "Tensor qkv_scales, int qkv_group, Tensor? qkv_bias, int q_width, int k_width, "
-      "int head_dim, Tensor cos, Tensor sin, int kernel) -> (Tensor, Tensor, Tensor)",
+      "int head_dim, Tensor cos, Tensor sin, int kernel, int threads) -> (Tensor, Tensor, Tensor)",
       before_attention);
   m.def(
       "after_attention(Tensor residual, Tensor attended, "
       "Tensor o_weight, Tensor o_scales, int o_group, Tensor norm_weight, float eps, "
       "Tensor gate_up_weight, Tensor gate_up_scales, int gate_up_group, int gate_width, "
-      "Tensor down_weight, Tensor down_scales, int down_group, int kernel) -> Tensor",
+      "Tensor down_weight, Tensor down_scales, int down_group, int kernel, int threads) -> Tensor",
       after_attention);
   m.def(
       "gemma_before_attention(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_weight, "
       "Tensor qkv_scales, int qkv_group, int q_width, int k_width, int head_dim, "
       "Tensor q_norm_weight, float q_eps, Tensor k_norm_weight, float k_eps, Tensor cos, "
-      "Tensor sin, int kernel) -> (Tensor, Tensor, Tensor)",
+      "Tensor sin, int kernel, int threads) -> (Tensor, Tensor, Tensor)",
       gemma_before_attention);
   m.def(
       "gemma_after_attention(Tensor residual, Tensor attended, Tensor o_weight, "
       "Tensor o_scales, int o_group, Tensor post_norm_weight, float post_eps, "
       "Tensor pre_ff_weight, float pre_ff_eps, Tensor gate_up_weight, Tensor gate_up_scales, "
       "int gate_up_group, int gate_width, Tensor down_weight, Tensor down_scales, "
-      "int down_group, Tensor post_ff_weight, float post_ff_eps, int kernel) -> Tensor",
+      "int down_group, Tensor post_ff_weight, float post_ff_eps, int kernel, int threads) -> Tensor",
       gemma_after_attention);
 }

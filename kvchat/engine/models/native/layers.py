@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvchat.threads import kernel_threads
+
 __all__ = ["NativeLayers", "load_library", "serves"]
 
 _loaded: set[str] = set()
@@ -169,13 +171,13 @@ class NativeLayers:
     def before_attention(
         self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._before_op(hidden, *self.before[index], cos, sin, self.kernel)
+        return self._before_op(hidden, *self.before[index], cos, sin, self.kernel, kernel_threads())
 
     def after_attention(
         self, index: int, residual: torch.Tensor, attended: torch.Tensor
     ) -> torch.Tensor:
         """The layer's output from its input and its attention output ([1, 1, H * d])."""
-        return self._after_op(residual, attended, *self.after[index], self.kernel)
+        return self._after_op(residual, attended, *self.after[index], self.kernel, kernel_threads())
 
     def agrees(self, step: Any) -> bool:
         """Whether layer 0 gives the Python step's bits, on random inputs."""
