@@ -231,11 +231,13 @@ static void run_job(const Job *job) {
 
 /* Worker threads kept between calls. Why: a decode step makes a few hundred calls of tens to
    hundreds of microseconds, and starting a thread per call cost ~30 us of each. A worker
-   spins a short while for its next job (the next call usually comes within that), then
-   sleeps on a condition variable. Each worker has its own slot, so a job is only ever seen
-   by the worker it was given to. */
+   polls for its next job a while (the next call usually comes within that), yielding its
+   core at each poll so that torch's threads, busy between two calls, lose nothing to it
+   (a plain spin slowed prefill by a tenth), then sleeps on a condition variable. Each
+   worker has its own slot, so a job is only ever seen by the worker it was given to. */
 #define MAX_THREADS 16
-#define SPINS 20000 /* polls of the slot before sleeping: on the order of 100 us */
+#define SPINS 20000 /* the caller's polls of a worker's slot before it yields its core */
+#define YIELDS 100  /* a worker's polls before sleeping, each giving way to any thread */
 
 typedef struct {
   pthread_mutex_t lock;
@@ -259,9 +261,9 @@ static void *worker_loop(void *arg) {
   Slot *slot = (Slot *)arg;
   unsigned seen = atomic_load(&slot->done);
   for (;;) {
-    for (int i = 0; i < SPINS && atomic_load_explicit(&slot->given, memory_order_acquire) == seen;
+    for (int i = 0; i < YIELDS && atomic_load_explicit(&slot->given, memory_order_acquire) == seen;
          i++)
-      relax();
+      sched_yield();
     pthread_mutex_lock(&slot->lock);
     while (atomic_load_explicit(&slot->given, memory_order_acquire) == seen)
       pthread_cond_wait(&slot->wake, &slot->lock);
