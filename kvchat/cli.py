@@ -85,7 +85,7 @@ def model_options(fn: Callable) -> Callable:
         click.option("--dtype", type=click.Choice(DTYPES), default=ModelSettings.dtype, show_default=True, help="auto: the checkpoint's own dtype on CPU (bfloat16 stays bfloat16; float16 runs as float32), bfloat16 on CUDA/MPS."),
         click.option("--weights", type=click.Choice(["auto", "none", "int8", "int4"]), default=ModelSettings.weights, show_default=True, help="auto: int4 on CPU for any safetensors checkpoint or GGUF, else none; none: full precision in --dtype; int8 / int4: weight-only quantized (torch's native CPU kernels)."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: physical cores, or OMP_NUM_THREADS)."),
-        click.option("--decode-threads", type=click.IntRange(min=1), default=None, help="CPU threads for one-token decode steps (default: 1 for weights up to 192 MiB, where it measured faster, else --threads)."),
+        click.option("--decode-threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch's kernels in one-token decode steps (default: 1 for weights up to 192 MiB, where it measured faster, else --threads; kvchat's int4 kernel always uses --threads)."),
         click.option("--cache", "cache_kind", type=click.Choice(["kvdirect", "standard"]), default=CacheSettings.kind, show_default=True, help="KV-Direct, or transformers' own DynamicCache for comparison."),
         click.option("--max-mem", callback=_size, default=None, help="Ceiling on resident conversation state, e.g. 64MB, 512KiB, 1.5GB."),
         click.option("--hot-window", type=click.IntRange(min=0), default=None, help="Tokens whose K/V stay hot (default: derived from --max-mem)."),

@@ -23,7 +23,9 @@ models whose weights are at most :data:`SMALL_WEIGHTS` bytes, else the prefill c
 ``--decode-threads`` sets it). ``python benchmarks/bench_peers.py`` compares it with
 decoding on every core, quiet and beside a busy process (docs/performance.md, "bench_peers":
 on the default model, faster in both). A kernel big enough to pay for the
-wake-up (the output head, ``qlinear.WIDE_BYTES``) still takes every core (:func:`every_thread`).
+wake-up (the output head, ``qlinear.WIDE_BYTES``) still takes every core (:func:`every_thread`),
+and so does kvchat's int4 kernel, whose own workers cost no such wake-up
+(:func:`kernel_threads`).
 
 Thread counts change bits: a GEMM may split its work another way. So every projection runs
 under the count its row count selects (:func:`rows_threads`), both in the forward call and
