@@ -230,11 +230,12 @@ static void run_job(const Job *job) {
 }
 
 /* Worker threads kept between calls. Why: a decode step makes a few hundred calls of tens to
-   hundreds of microseconds, and starting a thread per call cost ~30 us of each. A worker
-   polls for its next job a while (the next call usually comes within that), yielding its
-   core at each poll so that torch's threads, busy between two calls, lose nothing to it
-   (a plain spin slowed prefill by a tenth), then sleeps on a condition variable. Each
-   worker has its own slot, so a job is only ever seen by the worker it was given to. */
+   hundreds of microseconds, and starting a thread per call cost a large share of each. A
+   worker polls for its next job a while (the next call usually comes within that),
+   yielding its core at each poll so that torch's threads, busy between two calls, lose
+   nothing to it (a plain spin took a core from them during prefill), then sleeps on a
+   condition variable. Each worker has its own slot, so a job is only ever seen by the
+   worker it was given to. */
 #define MAX_THREADS 16
 #define SPINS 20000 /* the caller's polls of a worker's slot before it yields its core */
 #define YIELDS 100  /* a worker's polls before sleeping, each giving way to any thread */

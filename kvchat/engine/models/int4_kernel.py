@@ -6,8 +6,8 @@ CPU without AVX-512 it is compute bound below the memory's speed. This kernel is
 one row and at a prefill chunk's 64 (``benchmarks/bench_int4_kernel.py`` measures both),
 with float32's precision instead of bf16's. Why not int8 activations, as llama.cpp's Q4
 products use: tried, they were faster for prefill but changed the default model's greedy
-answers (its int4 top-1 agreement with float32 fell by ~2 points in
-``benchmarks/bench_weights.py``).
+answers and lowered its int4 top-1 agreement with float32 in
+``benchmarks/bench_weights.py`` (the README's Limits gives the figures).
 
 Exactness: a row's output is summed in one order whatever the row count and thread count
 (a decode row and the same row in a prefill chunk get the same bits), and the plain C build
