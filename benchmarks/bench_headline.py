@@ -1,11 +1,12 @@
 """The headline's scale, side by side with llama.cpp on the same file: a Gemma-3-4B-shaped
-Q4_0 GGUF (random weights, the real Gemma 3 tokenizer).
+Q4_0 GGUF (random weights, the real Gemma 3 tokenizer); ``--config gemma-3-270m`` runs the
+same rows on a Gemma-3-270M-shaped one.
 
 The file is written once, by the random-weight GGUF writer given with ``--make-shape``
 (``make_shape_gguf.py SOURCE.gguf CONFIG.json OUT.gguf --type Q4_0``: every tensor random
 in the config's shape, every other key, the tokenizer included, copied from SOURCE), from
 the Gemma 3 270M GGUF kvchat fetches (``kvchat --model gemma-3-270m`` once) and
-``kvchat/engine/kvdirect/configs/gemma-3-4b.json``; or pass a file made before with
+``kvchat/engine/kvdirect/configs/<--config>.json``; or pass a file made before with
 ``--out-gguf``.
 Every row runs in a process of its own, one after another, as a user would start it:
 
@@ -50,7 +51,7 @@ import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
 
 from kvchat.lab import harness  # noqa: E402
 
-CONFIG = common.REPO_ROOT / "kvchat" / "engine" / "kvdirect" / "configs" / "gemma-3-4b.json"
+CONFIGS = common.REPO_ROOT / "kvchat" / "engine" / "kvdirect" / "configs"
 LLAMA_CTX = 4096
 CEILING = 64 * 2**20
 
@@ -143,16 +144,17 @@ def source_gguf(given: str | None) -> Path:
 def shape_gguf(args: argparse.Namespace) -> Path:
     from kvchat.paths import cache_dir
 
-    target = Path(args.out_gguf or cache_dir() / "peers" / "gemma-3-4b-shape-Q4_0.gguf")
+    target = Path(args.out_gguf or cache_dir() / "peers" / f"{args.config}-shape-Q4_0.gguf")
     if target.is_file():
         return target
     if not args.make_shape:
         sys.exit(f"no {target}: pass --make-shape PATH/make_shape_gguf.py to write it")
     target.parent.mkdir(parents=True, exist_ok=True)
     source = source_gguf(args.source)
+    config = CONFIGS / f"{args.config}.json"
     harness.say(f"writing {target} from {source} ({args.make_shape})")
     subprocess.run(
-        [sys.executable, str(args.make_shape), str(source), str(CONFIG), str(target),
+        [sys.executable, str(args.make_shape), str(source), str(config), str(target),
          "--type", "Q4_0"],
         check=True, timeout=3600,
     )  # fmt: skip
@@ -167,7 +169,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--source", default=None, help="the Gemma 3 270M GGUF (default: kvchat's)")
     parser.add_argument("--make-shape", default=None, help="the random-weight GGUF writer")
-    parser.add_argument("--out-gguf", default=None, help="where the 4B-shaped GGUF is kept")
+    parser.add_argument(
+        "--config",
+        default="gemma-3-4b",
+        help="the Gemma 3 shape (a config in kvchat/engine/kvdirect/configs)",
+    )
+    parser.add_argument("--out-gguf", default=None, help="where the shaped GGUF is kept")
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--bounded-context", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=16)
@@ -243,7 +250,7 @@ def main() -> None:
             ]
         table.append(row)
     print(
-        f"Gemma-3-4B-shaped Q4_0 GGUF ({harness.human_bytes(gguf_bytes)}, random weights, the "
+        f"{args.config}-shaped Q4_0 GGUF ({harness.human_bytes(gguf_bytes)}, random weights, the "
         f"real Gemma 3 tokenizer), {args.context}-token prompt, {args.new_tokens} greedy "
         f"tokens, {args.threads} threads, one run of each, one process each"
     )

@@ -29,6 +29,7 @@ from kvchat.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("int4_kernel.c")
 GROUP = 32
+REPACK_BYTES = 2**20  # packed bytes rewritten at a time by kernel_form
 
 __all__ = [
     "SOURCE",
@@ -90,14 +91,21 @@ def kernel_form(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     own fp16 ``scales`` and ``mins`` (``w = q * scales + mins``; without ``mins``, Q4_0's
     ``w = (q - 8) * scales``, kept symmetric: ``scale_min`` ``[N, 1, G]``).
 
-    The minimum of the first form is ``zeros - 8 * scales`` in fp16 like the scale."""
+    The minimum of the first form is ``zeros - 8 * scales`` in fp16 like the scale.
+    The codes are rewritten a block of rows at a time: the whole matrix at once took about
+    four times its bytes in temporaries, which set the load's peak RSS for a vocabulary table."""
     qweight = parts["qweight"]
     n, half = qweight.shape
     groups = half * 2 // GROUP
-    low, high = qweight & 0x0F, qweight >> 4
-    # Columns back in order, then each group's columns 0-15 in low nibbles, 16-31 in high.
-    columns = torch.stack([low, high], dim=-1).reshape(n, groups, GROUP)
-    codes = (columns[..., :16] | (columns[..., 16:] << 4)).reshape(n, half).contiguous()
+    codes = torch.empty_like(qweight)
+    step = max(1, REPACK_BYTES // half)
+    for start in range(0, n, step):
+        block = qweight[start : start + step]
+        # Columns back in order, then each group's columns 0-15 in low nibbles, 16-31 in high.
+        columns = torch.stack([block & 0x0F, block >> 4], dim=-1).reshape(-1, groups, GROUP)
+        codes[start : start + step] = (columns[..., :16] | (columns[..., 16:] << 4)).reshape(
+            -1, half
+        )
     scales = parts["scales"]
     if "zeros" in parts:
         minimum = parts["zeros"].float() - 8 * scales.float()

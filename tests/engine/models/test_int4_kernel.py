@@ -154,3 +154,42 @@ def test_calls_from_several_threads_and_a_forked_child_share_the_workers_safely(
             os._exit(0 if torch.equal(layer(x), expected) else 1)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_repack_gives_the_same_codes_in_any_block_size_and_no_peak(monkeypatch):
+    """kernel_form rewrites the codes a block of rows at a time: any block size gives the
+    whole matrix's codes, and a Gemma-3-sized vocabulary table (262,144 x 640) is repacked
+    in a fresh process with VmHWM growing by under 2x its packed bytes, the codes included
+    (the one-shot repack grew it by ~4x, which set the load's peak RSS)."""
+    import json
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    n, half = 1000, 320
+    qweight = torch.randint(0, 256, (n, half), dtype=torch.uint8)
+    parts = {"qweight": qweight, "scales": torch.rand(n, half * 2 // 32, dtype=torch.float16)}
+    whole, _ = int4_kernel.kernel_form(parts)
+    for block_bytes in (1, 999, 4096):
+        monkeypatch.setattr(int4_kernel, "REPACK_BYTES", block_bytes)
+        assert torch.equal(int4_kernel.kernel_form(parts)[0], whole)
+
+    script = """
+import json, torch
+from kvchat.engine.models import int4_kernel
+def hwm():
+    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status")
+                if x.startswith("VmHWM"))
+q = torch.randint(0, 256, (262144, 320), dtype=torch.uint8)
+s = torch.rand(262144, 20, dtype=torch.float16)
+before = hwm()
+int4_kernel.kernel_form({"qweight": q, "scales": s})
+print(json.dumps({"growth": hwm() - before, "packed": q.numel()}))
+"""
+    if not sys.platform.startswith("linux"):
+        return
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert measured["growth"] < 2 * measured["packed"], measured
