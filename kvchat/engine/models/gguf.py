@@ -27,10 +27,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvchat.engine.models.gguf_header import GgufHeader, read_header
 from kvchat.engine.models.gguf_weights import (
     ADOPTED_NAME,
     SOURCE_NAME,
-    metadata_value,
     read_layout,
     write_index,
 )
@@ -123,25 +123,22 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
     for this, and which would then be imported by every chat process.
     """
     import torch
-    from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from kvchat.engine.models.heap import return_freed_memory
     from kvchat.engine.models.meta_init import parameters_on_meta
 
     with quiet_transformers(), _gguf_progress(say):
-        # kvchat's own reads of the metadata share one parse (20 s for Gemma's 262K tokens),
-        # dropped before transformers parses it again: two parses alive at once took the
-        # default model's first start to 1.32x its final RSS.
-        reader = GGUFReader(str(gguf))
-        overrides = rope_overrides(reader)
-        layout = read_layout(reader)
-        reader.fields.clear()
-        del reader
-        return_freed_memory()
-        say("reading the GGUF tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # kvchat's own reads of the metadata skip its arrays (gguf's reader took ~20 s over
+        # Gemma's 262K tokens); transformers' config still parses them once.
+        header = read_header(gguf)
+        overrides = rope_overrides(header)
+        layout = read_layout(header)
+        del header
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, **overrides)
+        say("reading the GGUF tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, **_tokenizer_type(config)
+        )
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         with parameters_on_meta():
@@ -164,28 +161,35 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
     del model
 
 
-def rope_overrides(source: Path | Any) -> dict[str, Any]:
-    """``rope_parameters`` for the rope settings llama.cpp reads from a GGUF (its path, or
-    gguf's ``GGUFReader`` of it) that
-    transformers' GGUF loader drops: the scaling type and factor (Gemma 3 4B and larger run
-    their global layers with linear x8 scaling; without it the converted model is another
-    model), YaRN's original context, and Gemma 3's sliding layers' own base frequency.
-    Empty when the file has none of them."""
-    from gguf import GGUFReader
+def _tokenizer_type(config: Any) -> dict[str, str]:
+    """The tokenizer class to read a GGUF's tokenizer with, named after the config's model
+    type, where transformers maps that type to a class: told nothing, ``AutoTokenizer``
+    parses the whole file again to find the type (~20 s for Gemma's 262K tokens)."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-    reader = GGUFReader(str(source)) if isinstance(source, (str, Path)) else source
-    arch = metadata_value(reader, "general.architecture")
-    kind = metadata_value(reader, f"{arch}.rope.scaling.type")
-    factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
-    base = metadata_value(reader, f"{arch}.rope.freq_base")
+    model_type = getattr(config, "model_type", None)
+    return {"tokenizer_type": model_type} if TOKENIZER_MAPPING_NAMES.get(model_type) else {}
+
+
+def rope_overrides(source: Path | GgufHeader) -> dict[str, Any]:
+    """``rope_parameters`` for the rope settings llama.cpp reads from a GGUF (its path, or
+    its :func:`read_header`) that transformers' GGUF loader drops: the scaling type and
+    factor (Gemma 3 4B and larger run their global layers with linear x8 scaling; without it
+    the converted model is another model), YaRN's original context, and Gemma 3's sliding
+    layers' own base frequency. Empty when the file has none of them."""
+    header = read_header(source) if isinstance(source, (str, Path)) else source
+    arch = header.value("general.architecture")
+    kind = header.value(f"{arch}.rope.scaling.type")
+    factor = header.value(f"{arch}.rope.scaling.factor")
+    base = header.value(f"{arch}.rope.freq_base")
     scaled: dict[str, Any] = {"rope_type": "default"}
     if kind in ("linear", "yarn") and factor is not None and float(factor) != 1.0:
         scaled = {"rope_type": kind, "factor": float(factor)}
-        original = metadata_value(reader, f"{arch}.rope.scaling.original_context_length")
+        original = header.value(f"{arch}.rope.scaling.original_context_length")
         if kind == "yarn" and original:
             scaled["original_max_position_embeddings"] = int(original)
     if arch == "gemma3":
-        swa_base = metadata_value(reader, f"{arch}.rope.freq_base_swa")
+        swa_base = header.value(f"{arch}.rope.freq_base_swa")
         if swa_base is None and scaled["rope_type"] == "default":
             return {}
         full = {**scaled, "rope_theta": float(base if base is not None else 1_000_000.0)}

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvchat.engine.models.gguf_header import GgufHeader
 from kvchat.engine.models.model_dir import GGUF_INDEX_NAME
 from kvchat.errors import ModelLoadError
 
@@ -39,7 +40,6 @@ __all__ = [
     "gguf_tensors",
     "has_index",
     "load_float_model",
-    "metadata_value",
     "read_layout",
     "record_gguf_path",
     "write_index",
@@ -78,39 +78,27 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def metadata_value(reader: Any, key: str) -> Any:
-    """A GGUF metadata value (str, number), or None when the file does not have it."""
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return None
-    value = field.parts[field.data[0]]
-    if field.types and field.types[0].name == "STRING":
-        return bytes(value).decode("utf-8")
-    return value.tolist()[0] if hasattr(value, "tolist") else value
-
-
-def read_layout(reader: Any) -> dict:
-    """What the index needs from gguf's ``GGUFReader`` of a file: its architecture, head
-    counts and each tensor's type, shape and place, so the reader (and its parse of the
-    vocabulary, ~100 MiB of small arrays) can be dropped at once."""
-    architecture = metadata_value(reader, "general.architecture")
+def read_layout(header: GgufHeader) -> dict:
+    """What the index needs from a GGUF's header: its architecture, head counts and each
+    tensor's type, shape and place."""
+    architecture = header.value("general.architecture")
     # The processors read the head counts as the GGUF states them (a key it lacks stays
     # absent, and then llama.cpp's Q/K order is left as it is, as transformers' loader does).
     heads = {
-        "num_attention_heads": metadata_value(reader, f"{architecture}.attention.head_count"),
-        "num_key_value_heads": metadata_value(reader, f"{architecture}.attention.head_count_kv"),
+        "num_attention_heads": header.value(f"{architecture}.attention.head_count"),
+        "num_key_value_heads": header.value(f"{architecture}.attention.head_count_kv"),
     }
     tensors = [
         {
             "gguf": tensor.name,
-            "type": int(tensor.tensor_type),
-            "dtype": tensor.data.dtype.str,
-            "data_shape": [int(n) for n in tensor.data.shape],
-            "shape": [int(n) for n in reversed(tensor.shape.tolist())],
-            "offset": int(tensor.data_offset),
-            "nbytes": int(tensor.n_bytes),
+            "type": tensor.tensor_type,
+            "dtype": tensor.dtype,
+            "data_shape": list(tensor.data_shape),
+            "shape": list(reversed(tensor.shape)),
+            "offset": tensor.data_offset,
+            "nbytes": tensor.n_bytes,
         }
-        for tensor in reader.tensors
+        for tensor in header.tensors
     ]
     return {
         "architecture": architecture,
