@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvchat.engine.models.gguf_header import GgufHeader, read_header
+from kvchat.engine.models.gguf_header import GgufHeader, read_header, write_config_view
 from kvchat.engine.models.gguf_weights import (
     ADOPTED_NAME,
     SOURCE_NAME,
@@ -128,13 +128,16 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
     from kvchat.engine.models.meta_init import parameters_on_meta
 
     with quiet_transformers(), _gguf_progress(say):
-        # kvchat's own reads of the metadata skip its arrays (gguf's reader took ~20 s over
-        # Gemma's 262K tokens); transformers' config still parses them once.
+        # Nothing here parses the vocabulary arrays but the tokenizer: gguf's reader builds
+        # a numpy view per element, ~20 s for each pass over Gemma's 262K tokens.
         header = read_header(gguf)
         overrides = rope_overrides(header)
         layout = read_layout(header)
+        with tempfile.TemporaryDirectory(prefix="kvchat-gguf-") as tmp:
+            view = Path(tmp) / gguf.name
+            write_config_view(gguf, header, view)
+            config = AutoConfig.from_pretrained(view.parent, gguf_file=view.name, **overrides)
         del header
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, **overrides)
         say("reading the GGUF tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(
             gguf.parent, gguf_file=gguf.name, **_tokenizer_type(config)
