@@ -129,7 +129,7 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
 
     with quiet_transformers(), _gguf_progress(say):
         # Nothing here parses the vocabulary arrays but the tokenizer: gguf's reader builds
-        # a numpy view per element, ~20 s for each pass over Gemma's 262K tokens.
+        # a numpy view per element, slow for each pass over a large vocabulary.
         header = read_header(gguf)
         overrides = rope_overrides(header)
         layout = read_layout(header)
@@ -167,7 +167,7 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
 def _tokenizer_type(config: Any) -> dict[str, str]:
     """The tokenizer class to read a GGUF's tokenizer with, named after the config's model
     type, where transformers maps that type to a class: told nothing, ``AutoTokenizer``
-    parses the whole file again to find the type (~20 s for Gemma's 262K tokens)."""
+    parses the whole file again to find the type, vocabulary arrays included."""
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     model_type = getattr(config, "model_type", None)

@@ -1,18 +1,17 @@
 """A GGUF file's metadata and tensor table, read in one pass without its arrays.
 
-gguf's ``GGUFReader`` builds a numpy view for every element of every array, so reading a
-Gemma 3 file (262K tokens, their scores and types) takes ~20 s on 2 cores. The conversion
-needs only scalars and the tensor table: this reader walks past arrays, keeping their first
-element (what ``metadata_value`` has always returned for an array), and gives each tensor
-the type, shape, byte offset and numpy view GGUFReader gives it (tests/engine/models/
-test_gguf_header.py checks both against GGUFReader on real files).
+gguf's ``GGUFReader`` builds a numpy view for every element of every array, which is slow
+for a large vocabulary (Gemma 3's 262K tokens, their scores and types). The conversion needs
+only scalars and the tensor table: this reader walks past arrays, keeping each one's first
+element, and gives each tensor the type, shape, byte offset and numpy view GGUFReader gives
+it (tests/engine/models/test_gguf_header.py checks both against GGUFReader on real files).
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +43,9 @@ class GgufTensor:
 class GgufHeader:
     metadata: dict[str, Any]
     tensors: list[GgufTensor]
-    version: int = 3
-    entries: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> byte span
-    lengths: dict[str, int] = field(default_factory=dict)  # array key -> element count
+    version: int
+    entries: dict[str, tuple[int, int]]  # key -> its entry's byte span in the file
+    lengths: dict[str, int]  # array key -> element count
 
     def value(self, key: str) -> Any:
         """A scalar's value, an array's first element, or None when the file lacks it."""
@@ -152,7 +151,7 @@ def read_header(path: str | Path) -> GgufHeader:
 
 
 # What transformers keeps of these is the tokenizer (and the vocabulary's size): parsing
-# them element by element is what made its config read take ~20 s for Gemma 3.
+# them element by element is what made its config read slow for a large vocabulary.
 VOCABULARY_ARRAYS = (
     "tokenizer.ggml.tokens",
     "tokenizer.ggml.scores",

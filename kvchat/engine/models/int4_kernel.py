@@ -92,8 +92,8 @@ def kernel_form(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     ``w = (q - 8) * scales``, kept symmetric: ``scale_min`` ``[N, 1, G]``).
 
     The minimum of the first form is ``zeros - 8 * scales`` in fp16 like the scale.
-    The codes are rewritten a block of rows at a time: the whole matrix at once took about
-    four times its bytes in temporaries, which set the load's peak RSS for a vocabulary table."""
+    The codes are rewritten a block of rows at a time: the whole matrix at once took several
+    times its bytes in temporaries, which set the load's peak RSS for a vocabulary table."""
     qweight = parts["qweight"]
     n, half = qweight.shape
     groups = half * 2 // GROUP

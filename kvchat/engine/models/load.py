@@ -195,7 +195,7 @@ def load_tokenizer(path: Any, *, from_gguf: bool) -> Any:
     """The directory's tokenizer. A GGUF's directory holds the ``tokenizer.json`` kvchat
     wrote from the GGUF, which is the whole tokenizer, so it loads into the generic fast
     class: a model's own class (``GemmaTokenizer``) keeps Python copies of the vocabulary
-    and merges besides, ~150 MB of RSS for Gemma 3's 262K-token vocabulary, and encodes,
+    and merges besides, more than the tokenizer itself for Gemma 3's 262K tokens, and encodes,
     decodes and renders the same (tests/engine/models/test_load.py)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
