@@ -137,7 +137,6 @@ def _write_converted(gguf: Path, out: Path, say: Progress) -> None:
             view = Path(tmp) / gguf.name
             write_config_view(gguf, header, view)
             config = AutoConfig.from_pretrained(view.parent, gguf_file=view.name, **overrides)
-        del header
         say("reading the GGUF tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(
             gguf.parent, gguf_file=gguf.name, **_tokenizer_type(config)

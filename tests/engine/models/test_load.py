@@ -66,15 +66,16 @@ def test_a_gguf_directorys_tokenizer_encodes_decodes_and_renders_as_the_models_o
 
 
 MEASURE = """
-import ctypes, gc, json, sys
-import psutil
+import gc, json, sys
 from transformers import AutoTokenizer
+from kvchat.engine.models.heap import return_freed_memory
 from kvchat.engine.models.load import load_tokenizer
+from kvchat.units import process_rss
 
 def held():
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return psutil.Process().memory_info().rss
+    return_freed_memory()
+    return process_rss()
 
 start = held()
 lean = load_tokenizer(sys.argv[1], from_gguf=True)
