@@ -21,15 +21,22 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVCHAT_AVX2 1
+#if defined(__AVX512F__)
+#define KVCHAT_AVX512 1
+#endif
 #endif
 
 #define GROUP 32
 #define ROW_TILE 8 /* activation rows sharing one unpacked weight group */
+#define K_BLOCK 8  /* groups per pass over a tile's activations (8 rows: 8 KiB) */
+#define N_BLOCK 16 /* output columns per pass */
+#define PAIR_TILE 16 /* rows sharing one unpacked group with AVX-512, two to a register */
 
 typedef struct {
   const float *x;
@@ -144,25 +151,51 @@ static inline void finish(const Job *job, int64_t r, int64_t n, __m256 total) {
 }
 
 /* Inlined for each row count, so the compiler keeps the rows' sums in registers (a sum
-   kept in memory waits on a store and a load at every group). */
+   kept in memory waits on a store and a load at every group).
+
+   Several rows: the groups are taken a block at a time (K_BLOCK) for N_BLOCK columns, so the
+   tile's activations for that block stay in the first-level cache instead of streaming from
+   the second for every column; each column's sums wait between blocks in `partial`, and every
+   sum still adds its groups in order, so blocking changes no bit. A single row reads each
+   column's codes whole, in one stream. */
 static inline __attribute__((always_inline)) void rows_tile_of(const Job *job, int64_t r0,
                                                                const int nr) {
   const int64_t k = job->k, groups = k / GROUP;
   const int64_t stride = (job->symmetric ? 1 : 2) * groups;
+  const int64_t k_block = nr == 1 ? groups : K_BLOCK;
+  const int64_t n_block = nr == 1 ? 1 : N_BLOCK;
+  __m256 partial[N_BLOCK][ROW_TILE];
   float scales[groups];
-  for (int64_t n = job->n0; n < job->n1; n++) {
-    const uint8_t *codes = job->codes + n * (k / 2);
-    scales_to_float(job->scale_min + n * stride, groups, scales);
-    __m256 total[ROW_TILE];
-    for (int r = 0; r < nr; r++) total[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-      __m256 q[4];
-      unpack_group(codes + 16 * g, q);
-      const __m256 s = _mm256_broadcast_ss(scales + g);
-      for (int r = 0; r < nr; r++)
-        total[r] = _mm256_fmadd_ps(group_dot(q, job->x + (r0 + r) * k + GROUP * g), s, total[r]);
+  for (int64_t n0 = job->n0; n0 < job->n1; n0 += n_block) {
+    const int64_t nb = job->n1 - n0 < n_block ? job->n1 - n0 : n_block;
+    for (int64_t j = 0; j < nb; j++)
+      for (int r = 0; r < nr; r++) partial[j][r] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += k_block) {
+      const int64_t g1 = groups - g0 < k_block ? groups : g0 + k_block;
+      for (int64_t j = 0; j < nb; j++) {
+        const int64_t n = n0 + j;
+        const uint8_t *codes = job->codes + n * (k / 2);
+        scales_to_float(job->scale_min + n * stride + g0, g1 - g0, scales);
+        __m256 total[ROW_TILE];
+        for (int r = 0; r < nr; r++) total[r] = partial[j][r];
+        for (int64_t g = g0; g < g1; g++) {
+          /* One row reads each column once, from memory: ask for the codes two columns ahead
+             (a cache line every fourth group), which the hardware prefetcher alone does not
+             bring in time. */
+          if (nr == 1 && (g & 3) == 0)
+            _mm_prefetch((const char *)(codes + k + 16 * g), _MM_HINT_T0);
+          __m256 q[4];
+          unpack_group(codes + 16 * g, q);
+          const __m256 s = _mm256_broadcast_ss(scales + (g - g0));
+          for (int r = 0; r < nr; r++)
+            total[r] =
+                _mm256_fmadd_ps(group_dot(q, job->x + (r0 + r) * k + GROUP * g), s, total[r]);
+        }
+        for (int r = 0; r < nr; r++) partial[j][r] = total[r];
+      }
     }
-    for (int r = 0; r < nr; r++) finish(job, r0 + r, n, total[r]);
+    for (int64_t j = 0; j < nb; j++)
+      for (int r = 0; r < nr; r++) finish(job, r0 + r, n0 + j, partial[j][r]);
   }
 }
 
@@ -224,7 +257,132 @@ static void rows_tile(const Job *job, int64_t r0, int64_t nr) {
 
 #endif
 
+#ifdef KVCHAT_AVX512
+/* With AVX-512 a register holds two rows: each pair of rows is laid out a quarter group at a
+   time, one row's 8 activations then the next row's, so that one 512-bit load feeds both and
+   each half of every register runs the AVX2 code's operations in its order: the same bits,
+   with half the multiply instructions. */
+static void interleave_pairs(const float *x, int64_t k, int pairs, float *out) {
+  for (int p = 0; p < pairs; p++) {
+    const float *a = x + 2 * p * k, *b = a + k;
+    for (int64_t c = 0; c < k; c += 8, out += 16) {
+      memcpy(out, a + c, 8 * sizeof(float));
+      memcpy(out + 8, b + c, 8 * sizeof(float));
+    }
+  }
+}
+
+/* unpack_group's four registers, each in both halves of one 512-bit register. */
+static inline void unpack_group_twice(const uint8_t *c, __m512 q[4]) {
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  const __m512i b0 = _mm512_cvtepu8_epi32(_mm_castpd_si128(_mm_loaddup_pd((const double *)c)));
+  const __m512i b1 =
+      _mm512_cvtepu8_epi32(_mm_castpd_si128(_mm_loaddup_pd((const double *)(c + 8))));
+  q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b0, low));
+  q[1] = _mm512_cvtepi32_ps(_mm512_and_si512(b1, low));
+  q[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4));
+  q[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4));
+}
+
+static inline __m256 high_half(__m512 v) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* Rows r0..r0+nr-1 (nr >= 2), blocked as rows_tile_of: pairs from xi (interleave_pairs'
+   layout), an odd last row in the low halves, as the AVX2 code computes it. */
+static inline __attribute__((always_inline)) void pairs_tile_of(const Job *job, int64_t r0,
+                                                                const int nr, const float *xi) {
+  const int64_t k = job->k, groups = k / GROUP;
+  const int64_t stride = (job->symmetric ? 1 : 2) * groups;
+  const int pairs = nr / 2, odd = nr & 1;
+  const float *last_row = job->x + (r0 + nr - 1) * k;
+  __m512 partial[N_BLOCK][PAIR_TILE / 2];
+  __m256 partial_last[N_BLOCK];
+  float scales[groups];
+  for (int64_t n0 = job->n0; n0 < job->n1; n0 += N_BLOCK) {
+    const int64_t nb = job->n1 - n0 < N_BLOCK ? job->n1 - n0 : N_BLOCK;
+    for (int64_t j = 0; j < nb; j++) {
+      for (int p = 0; p < pairs; p++) partial[j][p] = _mm512_setzero_ps();
+      partial_last[j] = _mm256_setzero_ps();
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += K_BLOCK) {
+      const int64_t g1 = groups - g0 < K_BLOCK ? groups : g0 + K_BLOCK;
+      for (int64_t j = 0; j < nb; j++) {
+        const int64_t n = n0 + j;
+        const uint8_t *codes = job->codes + n * (k / 2);
+        scales_to_float(job->scale_min + n * stride + g0, g1 - g0, scales);
+        __m512 total[PAIR_TILE / 2];
+        for (int p = 0; p < pairs; p++) total[p] = partial[j][p];
+        __m256 last = partial_last[j];
+        for (int64_t g = g0; g < g1; g++) {
+          __m512 q[4];
+          unpack_group_twice(codes + 16 * g, q);
+          const __m512 s = _mm512_set1_ps(scales[g - g0]);
+          for (int p = 0; p < pairs; p++) {
+            const float *x = xi + 2 * p * k + 2 * GROUP * g;
+            __m512 a = _mm512_mul_ps(q[0], _mm512_loadu_ps(x));
+            a = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16), a);
+            a = _mm512_fmadd_ps(q[2], _mm512_loadu_ps(x + 32), a);
+            a = _mm512_fmadd_ps(q[3], _mm512_loadu_ps(x + 48), a);
+            total[p] = _mm512_fmadd_ps(a, s, total[p]);
+          }
+          if (odd) {
+            const __m256 half[4] = {_mm512_castps512_ps256(q[0]), _mm512_castps512_ps256(q[1]),
+                                    _mm512_castps512_ps256(q[2]), _mm512_castps512_ps256(q[3])};
+            last = _mm256_fmadd_ps(group_dot(half, last_row + GROUP * g),
+                                   _mm512_castps512_ps256(s), last);
+          }
+        }
+        for (int p = 0; p < pairs; p++) partial[j][p] = total[p];
+        partial_last[j] = last;
+      }
+    }
+    for (int64_t j = 0; j < nb; j++) {
+      for (int p = 0; p < pairs; p++) {
+        finish(job, r0 + 2 * p, n0 + j, _mm512_castps512_ps256(partial[j][p]));
+        finish(job, r0 + 2 * p + 1, n0 + j, high_half(partial[j][p]));
+      }
+      if (odd) finish(job, r0 + nr - 1, n0 + j, partial_last[j]);
+    }
+  }
+}
+
+static void pairs_tile(const Job *job, int64_t r0, int64_t nr, const float *xi) {
+  switch (nr) {
+#define KVCHAT_PAIRS_CASE(c) \
+  case c:                    \
+    pairs_tile_of(job, r0, c, xi); \
+    break;
+    KVCHAT_PAIRS_CASE(2) KVCHAT_PAIRS_CASE(3) KVCHAT_PAIRS_CASE(4) KVCHAT_PAIRS_CASE(5)
+    KVCHAT_PAIRS_CASE(6) KVCHAT_PAIRS_CASE(7) KVCHAT_PAIRS_CASE(8) KVCHAT_PAIRS_CASE(9)
+    KVCHAT_PAIRS_CASE(10) KVCHAT_PAIRS_CASE(11) KVCHAT_PAIRS_CASE(12) KVCHAT_PAIRS_CASE(13)
+    KVCHAT_PAIRS_CASE(14) KVCHAT_PAIRS_CASE(15)
+#undef KVCHAT_PAIRS_CASE
+    default: pairs_tile_of(job, r0, PAIR_TILE, xi); break;
+  }
+}
+#endif
+
 static void run_job(const Job *job) {
+#ifdef KVCHAT_AVX512
+  /* A few rows (a decode step) gain nothing from pairing what they read once: the AVX2 code
+     serves them, and any rows when the pairs' buffer cannot be had. The buffer is aligned to
+     the cache line, since a 512-bit load across two lines costs twice one within a line. */
+  float *xi = job->rows >= 4 ? aligned_alloc(64, PAIR_TILE * job->k * sizeof *xi) : NULL;
+  if (xi != NULL) {
+    for (int64_t r = 0; r < job->rows; r += PAIR_TILE) {
+      const int64_t nr = job->rows - r < PAIR_TILE ? job->rows - r : PAIR_TILE;
+      if (nr == 1) {
+        rows_tile(job, r, 1);
+        continue;
+      }
+      interleave_pairs(job->x + r * job->k, job->k, (int)(nr / 2), xi);
+      pairs_tile(job, r, nr, xi);
+    }
+    free(xi);
+    return;
+  }
+#endif
   for (int64_t r = 0; r < job->rows; r += ROW_TILE)
     rows_tile(job, r, job->rows - r < ROW_TILE ? job->rows - r : ROW_TILE);
 }

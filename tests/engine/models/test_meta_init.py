@@ -39,7 +39,7 @@ def test_registration_is_restored_even_when_the_build_fails() -> None:
 
 def test_kvchat_never_imports_accelerate() -> None:
     """An installed accelerate is imported by transformers' modeling code in every chat
-    process; kvchat neither depends on it nor imports it (README "Models and weights")."""
+    process; kvchat neither depends on it nor imports it."""
     from pathlib import Path
 
     import kvchat
