@@ -3,7 +3,8 @@ model's positions: one place for the session, the server and the lab.
 
 A chat model gets its own chat template with the generation prompt. A base model (no
 template) continues text: the prompt as written, no "User:/Assistant:" wrapper, which a
-base model would imitate; later turns continue the text on a new line.
+base model would imitate; each reply as generated; later turns continue the text on a new
+line.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def render(tokenizer: Any, chat_template: bool, messages: list[dict[str, str]]) 
         elif m["role"] == "user":
             text += ("\n" if text and not text.endswith("\n") else "") + m["content"]
         else:
-            text += " " + m["content"] if m["content"] else ""
+            # A reply continues the text exactly as the model wrote it (its leading space or
+            # new line included), so that the next turn's text extends what the cache holds.
+            text += m["content"]
     return (tokenizer.bos_token if add_bos else "") + text
 
 

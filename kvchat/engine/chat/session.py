@@ -291,7 +291,6 @@ class ChatSession:
             cuts = [reply.find(s) for s in prompt.PLAIN_STOP_STRINGS if s in reply]
             if cuts:
                 reply = reply[: min(cuts)]
-        reply = reply.strip() if plain else reply
         self.token_ids.extend(reply_ids)
         self.messages.append({"role": "assistant", "content": reply})
         # The text the ids stand for: the template's prefix plus the reply as generated,

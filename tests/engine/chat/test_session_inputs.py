@@ -52,3 +52,29 @@ def test_a_base_model_continues_the_prompt_as_written(smollm2_loaded):
     second = session.send("The capital of Italy is", GREEDY)
     assert "Assistant" not in second.reply
     session.close()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "reply_tokens"),
+    [
+        ("Note 1: the lantern.", 6),  # the reply starts on a new line
+        ("List three rivers:", 10),  # ... after a blank line
+        ("Once upon a time", 1),  # ... with a comma, no space before it
+    ],
+)
+def test_a_base_models_next_turn_reads_only_the_new_text(smollm2_loaded, prompt, reply_tokens):
+    """A base model's reply is kept as it was generated, so the next turn continues the text
+    the model read and wrote: only the new message is fed, never the whole history again
+    (a stripped reply made the conversation's text differ from the cache's, and every
+    such turn re-read everything)."""
+    tokenizer = copy.deepcopy(smollm2_loaded.tokenizer)
+    tokenizer.chat_template = None
+    base = dataclasses.replace(smollm2_loaded, tokenizer=tokenizer)
+    session = ChatSession(base)
+    first = session.send(prompt, SamplingSettings(max_new_tokens=reply_tokens))
+    generated = tokenizer.decode(first.tokens, skip_special_tokens=True)
+    assert first.reply == generated
+    assert session.messages[-1] == {"role": "assistant", "content": generated}
+    second = session.send("And then", SamplingSettings(max_new_tokens=2))
+    assert not second.fell_back_to_full_prefill
+    session.close()
