@@ -34,9 +34,9 @@
 
 #define GROUP 32
 #define ROW_TILE 8 /* activation rows sharing one unpacked weight group */
-#define K_BLOCK 8  /* groups per pass over a tile's activations (8 rows: 8 KiB) */
-#define N_BLOCK 16 /* output columns per pass */
-#define PAIR_TILE 16 /* rows sharing one unpacked group with AVX-512, two to a register */
+#define PAIR_TILE 16 /* the same with AVX-512, two rows to a register */
+#define K_BLOCK 8    /* groups per pass over a pair tile's activations (16 KiB of them) */
+#define N_BLOCK 16   /* output columns per pass */
 
 typedef struct {
   const float *x;
@@ -151,51 +151,29 @@ static inline void finish(const Job *job, int64_t r, int64_t n, __m256 total) {
 }
 
 /* Inlined for each row count, so the compiler keeps the rows' sums in registers (a sum
-   kept in memory waits on a store and a load at every group).
-
-   Several rows: the groups are taken a block at a time (K_BLOCK) for N_BLOCK columns, so the
-   tile's activations for that block stay in the first-level cache instead of streaming from
-   the second for every column; each column's sums wait between blocks in `partial`, and every
-   sum still adds its groups in order, so blocking changes no bit. A single row reads each
-   column's codes whole, in one stream. */
+   kept in memory waits on a store and a load at every group). */
 static inline __attribute__((always_inline)) void rows_tile_of(const Job *job, int64_t r0,
                                                                const int nr) {
   const int64_t k = job->k, groups = k / GROUP;
   const int64_t stride = (job->symmetric ? 1 : 2) * groups;
-  const int64_t k_block = nr == 1 ? groups : K_BLOCK;
-  const int64_t n_block = nr == 1 ? 1 : N_BLOCK;
-  __m256 partial[N_BLOCK][ROW_TILE];
   float scales[groups];
-  for (int64_t n0 = job->n0; n0 < job->n1; n0 += n_block) {
-    const int64_t nb = job->n1 - n0 < n_block ? job->n1 - n0 : n_block;
-    for (int64_t j = 0; j < nb; j++)
-      for (int r = 0; r < nr; r++) partial[j][r] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < groups; g0 += k_block) {
-      const int64_t g1 = groups - g0 < k_block ? groups : g0 + k_block;
-      for (int64_t j = 0; j < nb; j++) {
-        const int64_t n = n0 + j;
-        const uint8_t *codes = job->codes + n * (k / 2);
-        scales_to_float(job->scale_min + n * stride + g0, g1 - g0, scales);
-        __m256 total[ROW_TILE];
-        for (int r = 0; r < nr; r++) total[r] = partial[j][r];
-        for (int64_t g = g0; g < g1; g++) {
-          /* One row reads each column once, from memory: ask for the codes two columns ahead
-             (a cache line every fourth group), which the hardware prefetcher alone does not
-             bring in time. */
-          if (nr == 1 && (g & 3) == 0)
-            _mm_prefetch((const char *)(codes + k + 16 * g), _MM_HINT_T0);
-          __m256 q[4];
-          unpack_group(codes + 16 * g, q);
-          const __m256 s = _mm256_broadcast_ss(scales + (g - g0));
-          for (int r = 0; r < nr; r++)
-            total[r] =
-                _mm256_fmadd_ps(group_dot(q, job->x + (r0 + r) * k + GROUP * g), s, total[r]);
-        }
-        for (int r = 0; r < nr; r++) partial[j][r] = total[r];
-      }
+  for (int64_t n = job->n0; n < job->n1; n++) {
+    const uint8_t *codes = job->codes + n * (k / 2);
+    scales_to_float(job->scale_min + n * stride, groups, scales);
+    __m256 total[ROW_TILE];
+    for (int r = 0; r < nr; r++) total[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      /* One row reads each column once, from memory: ask for the codes two columns ahead
+         (a cache line every fourth group), which the hardware prefetcher alone does not
+         bring in time. */
+      if (nr == 1 && (g & 3) == 0) _mm_prefetch((const char *)(codes + k + 16 * g), _MM_HINT_T0);
+      __m256 q[4];
+      unpack_group(codes + 16 * g, q);
+      const __m256 s = _mm256_broadcast_ss(scales + g);
+      for (int r = 0; r < nr; r++)
+        total[r] = _mm256_fmadd_ps(group_dot(q, job->x + (r0 + r) * k + GROUP * g), s, total[r]);
     }
-    for (int64_t j = 0; j < nb; j++)
-      for (int r = 0; r < nr; r++) finish(job, r0 + r, n0 + j, partial[j][r]);
+    for (int r = 0; r < nr; r++) finish(job, r0 + r, n, total[r]);
   }
 }
 
@@ -288,8 +266,12 @@ static inline __m256 high_half(__m512 v) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
 
-/* Rows r0..r0+nr-1 (nr >= 2), blocked as rows_tile_of: pairs from xi (interleave_pairs'
-   layout), an odd last row in the low halves, as the AVX2 code computes it. */
+/* Rows r0..r0+nr-1 (nr >= 2): pairs from xi (interleave_pairs' layout), an odd last row in
+   the low halves, as the AVX2 code computes it. The groups are taken a block at a time
+   (K_BLOCK) for N_BLOCK columns, so the tile's activations for that block stay in the
+   first-level cache instead of streaming from the second for every column; each column's
+   sums wait between blocks in `partial`, and every sum still adds its groups in order, so
+   blocking changes no bit. */
 static inline __attribute__((always_inline)) void pairs_tile_of(const Job *job, int64_t r0,
                                                                 const int nr, const float *xi) {
   const int64_t k = job->k, groups = k / GROUP;

@@ -1,17 +1,20 @@
 """kvchat's int4 weight kernel (``int4_kernel.c``): float32 activations, one fixed summation
 order, loaded with ctypes.
 
-Why not torch's ``_weight_int4pack_mm_for_cpu`` alone: it casts activations to bf16, and on a
-CPU without AVX-512 it is compute bound below the memory's speed. This kernel is faster at
-one row and at a prefill chunk's 64 (``benchmarks/bench_int4_kernel.py`` measures both),
-with float32's precision instead of bf16's. Why not int8 activations, as llama.cpp's Q4
-products use: tried, they were faster for prefill but changed the default model's greedy
-answers and lowered its int4 top-1 agreement with float32 in
-``benchmarks/bench_weights.py`` (the README's Limits gives the figures).
+Why not torch's ``_weight_int4pack_mm_for_cpu`` alone: it casts activations to bf16. This
+kernel keeps float32's precision in one summation order, and is faster on a CPU without
+AVX-512 at one row and at a prefill chunk's 64; with AVX-512, where it runs two rows to a
+register, it is faster at 64 rows and a little slower at one
+(``benchmarks/bench_int4_kernel.py`` measures both).
+
+Why not int8 activations, as llama.cpp's Q4 products use: tried, they were faster for
+prefill but changed the default model's greedy answers and lowered its int4 top-1 agreement
+with float32 in ``benchmarks/bench_weights.py`` (the README's Limits gives the figures).
 
 Exactness: a row's output is summed in one order whatever the row count and thread count
-(a decode row and the same row in a prefill chunk get the same bits), and the plain C build
-computes the AVX2 build's operations in its order (tests compare the two).
+(a decode row and the same row in a prefill chunk get the same bits); the plain C build
+computes the AVX2 build's operations in its order, and the AVX-512 build runs them on two
+rows at once (tests compare the builds).
 
 It is built like the attention kernel (the C compiler on PATH, once per machine, into the
 user cache). Without a compiler, off the CPU, or with ``KVCHAT_INT4_KERNEL=0``, int4 layers
