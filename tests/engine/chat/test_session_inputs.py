@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import kvchat.engine.chat.generate as generate_module
 from kvchat.engine.chat.session import ChatSession
 from kvchat.engine.chat.settings import SamplingSettings
 from kvchat.errors import ContextTooLongError
@@ -62,7 +63,9 @@ def test_a_base_model_continues_the_prompt_as_written(smollm2_loaded):
         ("Once upon a time", 1),  # ... with a comma, no space before it
     ],
 )
-def test_a_base_models_next_turn_reads_only_the_new_text(smollm2_loaded, prompt, reply_tokens):
+def test_a_base_models_next_turn_reads_only_the_new_text(
+    smollm2_loaded, prompt, reply_tokens, monkeypatch
+):
     """A base model's reply is kept as it was generated, so the next turn continues the text
     the model read and wrote: only the new message is fed, never the whole history again
     (a stripped reply made the conversation's text differ from the cache's, and every
@@ -75,6 +78,19 @@ def test_a_base_models_next_turn_reads_only_the_new_text(smollm2_loaded, prompt,
     generated = tokenizer.decode(first.tokens, skip_special_tokens=True)
     assert first.reply == generated
     assert session.messages[-1] == {"role": "assistant", "content": generated}
+    history = session.cache.get_seq_length() + 1  # the reply's last token is fed next turn
+    rows: list[int] = []
+    original = generate_module.forward_ids
+
+    def counting(model, cache, input_ids, *args, **kwargs):
+        rows.append(input_ids.shape[1])
+        return original(model, cache, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "forward_ids", counting)
     second = session.send("And then", SamplingSettings(max_new_tokens=2))
-    assert not second.fell_back_to_full_prefill
     session.close()
+    # What the model read this turn, counted at the forward calls: the new line's tokens and
+    # the reply's last token, not the history again.
+    new_text = len(tokenizer("\nAnd then", add_special_tokens=False).input_ids)
+    assert rows[0] <= new_text + 1 < history, (rows, history)
+    assert not second.fell_back_to_full_prefill
