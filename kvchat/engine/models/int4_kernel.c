@@ -280,7 +280,7 @@ static inline __attribute__((always_inline)) void pairs_tile_of(const Job *job, 
   const float *last_row = job->x + (r0 + nr - 1) * k;
   __m512 partial[N_BLOCK][PAIR_TILE / 2];
   __m256 partial_last[N_BLOCK];
-  float scales[groups];
+  float scales[K_BLOCK];
   for (int64_t n0 = job->n0; n0 < job->n1; n0 += N_BLOCK) {
     const int64_t nb = job->n1 - n0 < N_BLOCK ? job->n1 - n0 : N_BLOCK;
     for (int64_t j = 0; j < nb; j++) {
