@@ -114,16 +114,22 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
-def _leads(view: torch.Tensor | None, storage: torch.Tensor) -> bool:
-    """Whether ``view`` is the leading rows (dim -2) of ``storage``."""
-    return (
-        view is not None
-        and view.data_ptr() == storage.data_ptr()
-        and view.shape[:2] == storage.shape[:2]
-        and view.shape[-1] == storage.shape[-1]
-        and view.stride() == storage.stride()
-        and view.shape[-2] <= storage.shape[-2]
-    )
+def _row_offset(view: torch.Tensor | None, storage: torch.Tensor) -> int | None:
+    """The first row (dim -2) of ``storage`` that ``view`` starts at, if ``view`` is a run
+    of whole consecutive rows of it; else None."""
+    if (
+        view is None
+        or view.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr()
+        or view.shape[:2] != storage.shape[:2]
+        or view.shape[-1] != storage.shape[-1]
+        or view.stride() != storage.stride()
+    ):
+        return None
+    row_bytes = storage.stride(-2) * storage.element_size()
+    first, rest = divmod(view.data_ptr() - storage.data_ptr(), row_bytes)
+    if first < 0 or rest or first + view.shape[-2] > storage.shape[-2]:
+        return None
+    return first
 
 
 class CacheStats:
@@ -274,10 +280,13 @@ class KVDirectLayer(CacheLayerMixin):
                     parts_k.append(cold_k)
                     parts_v.append(cold_v)
         skip = max(0, visible_from - hot_from)  # hot tokens a sliding layer can no longer see
-        if not (in_place or parts_k or self.pending_cold) and self._grows():
+        if not (in_place or parts_k or self.pending_cold) and self._grows(visible_from, hot_from):
             self.cumulative_length = start + new_len
-            self._append_hot(key_states, value_states)
-            return self.keys, self.values
+            full_k, full_v = self._append_hot(key_states, value_states, skip)
+            if self.is_sliding:
+                self.store.drop_before(self._needed_from())
+            self._forget_saved_below(self.hot_from)
+            return full_k, full_v
         hot_k, hot_v = self.keys[..., skip:, :], self.values[..., skip:, :]
         if in_place:
             full_k, full_v = self.cold.token_major(
@@ -321,42 +330,54 @@ class KVDirectLayer(CacheLayerMixin):
         """The hot window this layer's form follows (None: every token)."""
         return self.owner.kv_window if self.form == "kv" else self.owner.hot_window
 
-    def _live_growth(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The grown storage, if the hot rows are still its leading views (resume or a trim
-        may have set the window since)."""
-        grown = self.growth
-        if grown is None or not _leads(self.keys, grown[0]) or not _leads(self.values, grown[1]):
+    def _live_growth(self) -> int | None:
+        """The row of the grown storage where the hot rows start, if they are still its
+        views (resume or a trim may have set the window since); else None."""
+        if self.growth is None:
             return None
-        return grown
+        first = _row_offset(self.keys, self.growth[0])
+        if first is None or _row_offset(self.values, self.growth[1]) != first:
+            return None
+        return first
 
-    def _grows(self) -> bool:
-        """Whether every token stays hot for good: no window, no sliding, nothing cold."""
-        return (
-            self.owner.hot_reserve > 0
-            and self._window() is None
-            and not self.is_sliding
-            and self.hot_from == 0
-        )
+    def _grows(self, visible_from: int, hot_from: int) -> bool:
+        """Whether the hot rows are all this call needs and nothing leaves them for the
+        store: no window of the cache's own, and every visible row hot (a full layer keeps
+        every token; a sliding layer's rows that leave its window are dead)."""
+        if self.owner.hot_reserve <= 0 or self._window() is not None:
+            return False
+        return visible_from >= hot_from if self.is_sliding else hot_from == 0
 
-    def _append_hot(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Copy the new rows behind the hot ones, in the reserve when it has room.
+    def _append_hot(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, skip: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the new rows behind the hot ones (from ``skip``), in the reserve when it has
+        room; returns what attention reads (the hot rows from ``skip``, then the new), and
+        keeps the last ``keep_hot()`` of them as the hot window. A sliding layer's window
+        moves along the reserve; when the reserve is used up, the rows still needed move
+        to fresh storage with a new reserve behind them.
 
-        Attention gets leading views of the grown storage: the same values in the same
-        order as a concatenation, read by stride, so the same bits.
+        Attention gets views of the grown storage: the same values in the same order as a
+        concatenation, read by stride, so the same bits.
         """
         n, new_len = self.hot_length, key_states.shape[-2]
-        grown = self._live_growth()
-        if grown is None or grown[0].shape[-2] < n + new_len:
-            rows = n + new_len + self.owner.hot_reserve
+        first = self._live_growth()
+        if first is None or first + n + new_len > self.growth[0].shape[-2]:
+            rows = n - skip + new_len + self.owner.hot_reserve
             k = key_states.new_empty((*key_states.shape[:2], rows, key_states.shape[-1]))
             v = value_states.new_empty((*value_states.shape[:2], rows, value_states.shape[-1]))
-            k[..., :n, :].copy_(self.keys)
-            v[..., :n, :].copy_(self.values)
-            grown = self.growth = (k, v)
-        grown[0][..., n : n + new_len, :].copy_(key_states)
-        grown[1][..., n : n + new_len, :].copy_(value_states)
-        self.keys = grown[0][..., : n + new_len, :]
-        self.values = grown[1][..., : n + new_len, :]
+            k[..., : n - skip, :].copy_(self.keys[..., skip:, :])
+            v[..., : n - skip, :].copy_(self.values[..., skip:, :])
+            self.growth = (k, v)
+            first = -skip
+        end = first + n + new_len
+        keys, values = self.growth
+        keys[..., end - new_len : end, :].copy_(key_states)
+        values[..., end - new_len : end, :].copy_(value_states)
+        keep = min(self.keep_hot(), end - first - skip)
+        self.keys = keys[..., end - keep : end, :]
+        self.values = values[..., end - keep : end, :]
+        return keys[..., first + skip : end, :], values[..., first + skip : end, :]
 
     def release_reserve(self) -> None:
         """Hold the hot rows in storage of their own size (between replies)."""
@@ -489,9 +510,8 @@ class KVDirectLayer(CacheLayerMixin):
     # -- accounting ----------------------------------------------------------------------
     def hot_bytes(self) -> int:
         """Bytes the hot window holds, its reserve included."""
-        grown = self._live_growth()
-        if grown is not None:
-            return nbytes(grown[0]) + nbytes(grown[1])
+        if self._live_growth() is not None:
+            return nbytes(self.growth[0]) + nbytes(self.growth[1])
         return nbytes(self.keys) + nbytes(self.values)
 
     def checkpoint_bytes(self) -> int:

@@ -1,8 +1,9 @@
 """The growing hot window (no ceiling): rows copied into a reserve, not concatenated.
 
 Against the standard cache on every tiny family: the same logits bit for bit, the same K/V,
-no new storage per decode step while the reserve lasts, and after ``release_reserve`` (what
-a session does after each reply) exactly the bytes the standard cache holds.
+no new storage per decode step while the reserve lasts (a sliding layer's window moves
+through its reserve), and after ``release_reserve`` (what a session does after each reply)
+exactly the bytes the standard cache holds.
 """
 
 from __future__ import annotations
@@ -63,6 +64,36 @@ def test_decode_steps_write_into_the_reserve_without_new_storage():
         for _ in range(HOT_RESERVE_ROWS):  # past the reserve: a bigger one, rows kept
             logits = forward(model, cache, [int(logits.argmax())], torch.device("cpu"))
         assert layer.hot_length == 40 + HOT_RESERVE_ROWS // 2 + HOT_RESERVE_ROWS
+    cache.close()
+
+
+def test_a_sliding_layer_moves_through_its_reserve_past_the_window():
+    """Gemma 3's sliding layers (window 24 here) past their window: a decode step writes one
+    row and moves the window's view, with no new storage until the reserve is used up, and
+    attention sees what the standard cache returns."""
+    model = tiny_model("gemma3")
+    standard = DynamicCache(config=model.config)
+    cache = growing_cache(model)
+    window = model.config.sliding_window
+    with torch.inference_mode():
+        ids = list(range(5, 45))  # past the window already
+        ref = prefill(model, standard, ids, torch.device("cpu"), 16)
+        logits = prefill(model, cache, ids, torch.device("cpu"), 16)
+        layer = cache.layers[0]
+        assert layer.is_sliding and layer.hot_length == window - 1
+        storage = layer.keys.untyped_storage().data_ptr()
+        for step in range(HOT_RESERVE_ROWS + 8):
+            token = int(ref.argmax())
+            ref = forward(model, standard, [token], torch.device("cpu"))
+            logits = forward(model, cache, [token], torch.device("cpu"))
+            assert torch.equal(logits, ref), f"step {step}"
+            assert layer.hot_length == window - 1
+            if step < HOT_RESERVE_ROWS // 2:
+                assert layer.keys.untyped_storage().data_ptr() == storage, f"step {step}"
+        for mine, theirs in zip(cache.layers, standard.layers):
+            assert torch.equal(mine.keys, theirs.keys[..., -mine.hot_length :, :])
+    cache.release_reserve()
+    assert layer.keys.untyped_storage().nbytes() == layer.keys.nbytes
     cache.close()
 
 
