@@ -20,7 +20,7 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<
 def render(tokenizer: Any, chat_template: bool, messages: list[dict[str, str]]) -> str:
     """The text a model reads for ``messages`` (the reply's place marked, for a chat)."""
     if chat_template:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return _chat_text(tokenizer, messages)
     add_bos = getattr(tokenizer, "add_bos_token", False) and tokenizer.bos_token
     text = ""
     for m in messages:
@@ -33,6 +33,36 @@ def render(tokenizer: Any, chat_template: bool, messages: list[dict[str, str]]) 
             # new line included), so that the next turn's text extends what the cache holds.
             text += m["content"]
     return (tokenizer.bos_token if add_bos else "") + text
+
+
+def _chat_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The chat template's text for ``messages``, each reply in it as it was generated.
+
+    Some templates trim every message (Gemma 3's does). A reply that began or ended with
+    white space would then render otherwise than the text the cache holds, and the next
+    turn would read the whole conversation again. Where trimming is all the template does
+    to the replies (each reply, put in as a marker, renders as the marker), the replies go
+    back in untrimmed: the text stays what the model read and wrote, and the next turn
+    reads only its new text. A template that changes replies in other ways (one that drops
+    earlier reasoning) is followed as it is.
+    """
+
+    def apply(msgs: list[dict[str, str]]) -> str:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    text = apply(messages)
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if all(messages[i]["content"] == messages[i]["content"].strip() for i in replies):
+        return text  # nothing a trim would change
+    marks = {i: f"<<kvchat-reply-{i}>>" for i in replies}
+    marked = apply([dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)])
+    generated = trimmed = marked
+    for i, mark in marks.items():
+        if marked.count(mark) != 1:
+            return text
+        generated = generated.replace(mark, messages[i]["content"])
+        trimmed = trimmed.replace(mark, messages[i]["content"].strip())
+    return generated if trimmed == text else text
 
 
 def tokenize(tokenizer: Any, text: str) -> list[int]:

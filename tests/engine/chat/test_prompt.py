@@ -67,3 +67,53 @@ def test_the_server_counts_a_prompt_as_the_session_feeds_it(smollm2_loaded, tmp_
     worker = EngineWorker(loaded, cache=CacheSettings(), data_dir=tmp_path)
     request = ChatRequest("m", system, history, "And one in Spain?")
     assert worker.count_prompt_tokens(request) == result.prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def template_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def with_template(tokenizer, change: str):
+    """A copy of SmolLM2's tokenizer whose template passes each message's content through
+    the Jinja filter ``change`` (Gemma 3's template trims every message)."""
+    changed = copy.deepcopy(tokenizer)
+    assert "message['content']" in changed.chat_template
+    changed.chat_template = changed.chat_template.replace(
+        "message['content']", f"(message['content'] | {change})"
+    )
+    return changed
+
+
+CHAT = [
+    {"role": "user", "content": "Name a river."},
+    {"role": "assistant", "content": "\nThe Loire.\n\n"},  # as generated: white space around
+    {"role": "user", "content": "Another?"},
+]
+
+
+def test_a_template_that_trims_gets_each_reply_back_as_generated(template_tokenizer):
+    """Rendered again with the next message, the conversation's text must start with the
+    text the cache holds (the reply as the model wrote it), or the next turn reads the whole
+    history again."""
+    trimming = with_template(template_tokenizer, "trim")
+    text = prompt.render(trimming, True, CHAT)
+    assert "<|im_start|>assistant\n\nThe Loire.\n\n<|im_end|>" in text
+    plain = prompt.render(template_tokenizer, True, CHAT)
+    assert text == plain  # a template that keeps content as it is renders the same
+    earlier = prompt.render(trimming, True, CHAT[:1])
+    assert text.startswith(earlier + CHAT[1]["content"])
+    # the template's own text is what it gives where nothing needs trimming
+    tidy = [dict(m, content=m["content"].strip()) for m in CHAT]
+    assert prompt.render(trimming, True, tidy) == trimming.apply_chat_template(
+        tidy, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_a_template_that_changes_replies_otherwise_is_followed_as_it_is(template_tokenizer):
+    shouting = with_template(template_tokenizer, "upper")
+    text = prompt.render(shouting, True, CHAT)
+    assert text == shouting.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert "THE LOIRE." in text

@@ -94,3 +94,30 @@ def test_a_base_models_next_turn_reads_only_the_new_text(
     new_text = len(tokenizer("\nAnd then", add_special_tokens=False).input_ids)
     assert rows[0] <= new_text + 1 < history, (rows, history)
     assert not second.fell_back_to_full_prefill
+
+
+def test_a_template_that_trims_replies_still_reads_only_the_new_text(smollm2_loaded, monkeypatch):
+    """Gemma 3's template trims every message; a reply that ended on a new line then
+    rendered otherwise than the text the cache held, and the next turn read the whole
+    conversation again. Here SmolLM2's template is made to trim the same way."""
+    tokenizer = copy.deepcopy(smollm2_loaded.tokenizer)
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "message['content']", "(message['content'] | trim)"
+    )
+    trimming = dataclasses.replace(smollm2_loaded, tokenizer=tokenizer)
+    session = ChatSession(trimming)
+    first = session.send("Write a haiku about the sea.", SamplingSettings(max_new_tokens=11))
+    assert first.reply.endswith("\n")  # what the template trims
+    history = session.cache.get_seq_length() + 1
+    rows: list[int] = []
+    original = generate_module.forward_ids
+
+    def counting(model, cache, input_ids, *args, **kwargs):
+        rows.append(input_ids.shape[1])
+        return original(model, cache, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "forward_ids", counting)
+    second = session.send("Another one?", SamplingSettings(max_new_tokens=2))
+    session.close()
+    assert not second.fell_back_to_full_prefill
+    assert rows[0] < 20 < history, (rows, history)  # the new message, not the history
