@@ -8,7 +8,7 @@ in the config's shape, every other key, the tokenizer included, copied from SOUR
 the Gemma 3 270M GGUF kvchat fetches (``kvchat --model gemma-3-270m`` once) and
 ``kvchat/engine/kvdirect/configs/<--config>.json``; or pass a file made before with
 ``--out-gguf``.
-Every row runs in a process of its own, one after another, as a user would start it:
+Every row runs in a process of its own, as a user would start it:
 
 * ``llama.cpp``: llama-cpp-python's ``Llama`` (n_ctx 4096) on the file: the load, then the
   ~600-token prompt (the first tokens of ``kvchat.lab.texts.STORY``) and 16 greedy tokens;
@@ -22,14 +22,18 @@ Every row runs in a process of its own, one after another, as a user would start
 Figures: the load (the process's start to the model being ready: kvchat's includes the
 first start's conversion), prefill tok/s (prompt tokens / time to the first token), decode
 tok/s (15 / time from the first to the 16th token), RSS after the reply and peak RSS
-(``VmHWM``), and what kvchat's cache holds for the file against the file's size. One run of
-each (a 4B prefill takes minutes on 2 cores); ratios are only meaningful within one run.
+(``VmHWM``), and what kvchat's cache holds for the file against the file's size. The first
+start runs once; with ``--repeats N`` every other row runs N times, the rows taking turns
+(the order rotating), and each figure is the median of its runs: on a shared machine one
+run of each can be swayed by a neighbour (a 4B row takes about a minute on 2 cores). Ratios
+are only meaningful within one run of this script.
 
 llama.cpp must be importable (``pip install llama-cpp-python``, built for the machine: a
 wheel built with AVX-512 dies with an illegal instruction on an AVX2-only CPU). Without it
 the llama.cpp row is skipped, with a message.
 
-Run from the repository root: ``python benchmarks/bench_headline.py`` (~20 min on 2 cores).
+Run from the repository root: ``python benchmarks/bench_headline.py [--repeats 3]`` (about
+4 minutes a repeat on 2 cores; under a minute with ``--config gemma-3-270m``).
 """
 
 from __future__ import annotations
@@ -99,6 +103,24 @@ def measure_kvchat(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- the driver ------------------------------------------------------------------------------
+MEDIAN_FIELDS = ("load_s", "prefill_tps", "decode_tps", "rss_bytes", "peak_rss_bytes",
+                 "process_s")  # fmt: skip
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from its runs: the median of each timing and size, everything else (the
+    tokens, the weights) from the first run, every run's decode rate kept."""
+    row = dict(runs[0])
+    for field in MEDIAN_FIELDS:
+        if field in row:
+            row[field] = harness.median([r[field] for r in runs])
+    row["decode_tps_runs"] = [r["decode_tps"] for r in runs]
+    same = all(r["tokens"] == runs[0]["tokens"] for r in runs)
+    if not same:
+        raise RuntimeError("a row gave other tokens on another run")
+    return row
+
+
 def run_row(name: str, args: argparse.Namespace, env: dict[str, str], **extra: Any) -> dict:
     cmd = [
         sys.executable, __file__, "--one", name, "--gguf", args.gguf,
@@ -179,6 +201,9 @@ def main() -> None:
     parser.add_argument("--bounded-context", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of each row but the first start, in turn"
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ids-file", default=None, help=argparse.SUPPRESS)
@@ -206,25 +231,37 @@ def main() -> None:
     long_json = str(Path(args.json).with_suffix("")) + "-long.json"
     long_ids = common.story_prompt_file(tokenizer_dir, args.bounded_context, long_json)
 
-    rows: dict[str, dict] = {}
     why_not = llama_available()
-    if why_not is None:
-        peer_env = {**common.LAUNCH_ENV, common.AS_LAUNCHED: "1"}
-        rows["llama.cpp"] = run_row("llama.cpp", args, peer_env)
-    else:
-        harness.say(f"llama.cpp row skipped: {why_not}")
+    peer_env = {**common.LAUNCH_ENV, common.AS_LAUNCHED: "1"}
+    long_row = {"ids_file": long_ids}
+    bounded_row = {"ids_file": long_ids, "max_mem": CEILING}
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
         env = {**os.environ, "KVCHAT_CACHE_DIR": str(cache), "KVCHAT_OFFLINE": "1"}
-        rows["kvchat, first start"] = run_row("kvchat", args, env)
+        first_start = run_row("kvchat", args, env)
         cache_bytes = tree_bytes(cache / "models") + tree_bytes(cache / "weights")
-        rows["kvchat"] = run_row("kvchat", args, env)
-        bounded_ids = {"ids_file": long_ids}
-        rows["kvchat, ~1,000 tokens"] = run_row("kvchat", args, env, **bounded_ids)
-        rows["kvchat, ~1,000 tokens, --max-mem 64MB"] = run_row(
-            "kvchat", args, env, max_mem=CEILING, **bounded_ids
-        )
+        # The rows a noisy machine can sway, measured in turn (the order rotating) and
+        # summarised by their medians; the first start happens once.
+        plan: dict[str, tuple[str, dict[str, str], dict[str, Any]]] = {}
+        if why_not is None:
+            plan["llama.cpp"] = ("llama.cpp", peer_env, {})
+        else:
+            harness.say(f"llama.cpp row skipped: {why_not}")
+        plan["kvchat"] = ("kvchat", env, {})
+        plan["kvchat, ~1,000 tokens"] = ("kvchat", env, long_row)
+        plan["kvchat, ~1,000 tokens, --max-mem 64MB"] = ("kvchat", env, bounded_row)
+
+        def measure(name: str, repeat: int) -> dict[str, Any]:
+            engine, row_env, extra = plan[name]
+            return run_row(engine, args, row_env, **extra)
+
+        runs = harness.interleaved(list(plan), args.repeats, measure, settle=None)
         shutil.rmtree(cache, ignore_errors=True)
+    rows: dict[str, dict] = {}
+    if "llama.cpp" in runs:
+        rows["llama.cpp"] = medians(runs.pop("llama.cpp"))
+    rows["kvchat, first start"] = first_start
+    rows.update({name: medians(got) for name, got in runs.items()})
 
     peer = rows.get("llama.cpp")
     headers = ["engine", "load s", "prefill tok/s", "decode tok/s", "RSS", "peak RSS"]
@@ -252,7 +289,8 @@ def main() -> None:
     print(
         f"{args.config}-shaped Q4_0 GGUF ({harness.human_bytes(gguf_bytes)}, random weights, the "
         f"real Gemma 3 tokenizer), {args.context}-token prompt, {args.new_tokens} greedy "
-        f"tokens, {args.threads} threads, one run of each, one process each"
+        f"tokens, {args.threads} threads, medians of {args.repeats} runs taken in turn (the "
+        f"first start: one run), one process each"
     )
     print(harness.markdown_table(headers, table))
     unbounded = rows["kvchat, ~1,000 tokens"]
