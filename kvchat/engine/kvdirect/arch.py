@@ -195,7 +195,8 @@ class ArchAdapter:
         if k_norm is not None:
             key = k_norm(key)
         cos, sin = self.rope(layer_idx, hidden, position_ids)
-        _, key = self.apply_rope(key, key, cos, sin)
+        # The model's own rotary function; its query half is given one head, being unused.
+        _, key = self.apply_rope(key[:, :1], key, cos, sin)
         return key, value
 
     def rope(self, layer_idx: int, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:

@@ -20,6 +20,7 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -156,7 +157,7 @@ class DiskRows:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @property
+    @cached_property  # read for every piece of every cold read
     def nbytes(self) -> int:
         return math.prod(self.shape) * _itemsize(self.dtype)
 
