@@ -19,6 +19,19 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingSettings(max_new_tokens=8)
 
 
+def rows_of_forward_calls(monkeypatch) -> list[int]:
+    """A list that gets the rows of every forward call the engine makes from now on."""
+    rows: list[int] = []
+    original = generate_module.forward_ids
+
+    def counting(model, cache, input_ids, *args, **kwargs):
+        rows.append(input_ids.shape[1])
+        return original(model, cache, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "forward_ids", counting)
+    return rows
+
+
 def test_a_conversation_past_the_context_length_is_refused_before_the_model_runs(
     smollm2_loaded,
 ):
@@ -79,14 +92,7 @@ def test_a_base_models_next_turn_reads_only_the_new_text(
     assert first.reply == generated
     assert session.messages[-1] == {"role": "assistant", "content": generated}
     history = session.cache.get_seq_length() + 1  # the reply's last token is fed next turn
-    rows: list[int] = []
-    original = generate_module.forward_ids
-
-    def counting(model, cache, input_ids, *args, **kwargs):
-        rows.append(input_ids.shape[1])
-        return original(model, cache, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(generate_module, "forward_ids", counting)
+    rows = rows_of_forward_calls(monkeypatch)
     second = session.send("And then", SamplingSettings(max_new_tokens=2))
     session.close()
     # What the model read this turn, counted at the forward calls: the new line's tokens and
@@ -109,14 +115,7 @@ def test_a_template_that_trims_replies_still_reads_only_the_new_text(smollm2_loa
     first = session.send("Write a haiku about the sea.", SamplingSettings(max_new_tokens=11))
     assert first.reply.endswith("\n")  # what the template trims
     history = session.cache.get_seq_length() + 1
-    rows: list[int] = []
-    original = generate_module.forward_ids
-
-    def counting(model, cache, input_ids, *args, **kwargs):
-        rows.append(input_ids.shape[1])
-        return original(model, cache, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(generate_module, "forward_ids", counting)
+    rows = rows_of_forward_calls(monkeypatch)
     second = session.send("Another one?", SamplingSettings(max_new_tokens=2))
     session.close()
     assert not second.fell_back_to_full_prefill
