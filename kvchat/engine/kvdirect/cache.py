@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -114,22 +114,15 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
-def _row_offset(view: torch.Tensor | None, storage: torch.Tensor) -> int | None:
-    """The first row (dim -2) of ``storage`` that ``view`` starts at, if ``view`` is a run
-    of whole consecutive rows of it; else None."""
-    if (
-        view is None
-        or view.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr()
-        or view.shape[:2] != storage.shape[:2]
-        or view.shape[-1] != storage.shape[-1]
-        or view.stride() != storage.stride()
-    ):
-        return None
-    row_bytes = storage.stride(-2) * storage.element_size()
-    first, rest = divmod(view.data_ptr() - storage.data_ptr(), row_bytes)
-    if first < 0 or rest or first + view.shape[-2] > storage.shape[-2]:
-        return None
-    return first
+class _Growth(NamedTuple):
+    """Storage a hot window grows in: the hot rows are ``keys``/``values``, views of
+    ``key_rows``/``value_rows`` from row ``first``."""
+
+    key_rows: torch.Tensor
+    value_rows: torch.Tensor
+    first: int
+    keys: torch.Tensor
+    values: torch.Tensor
 
 
 class CacheStats:
@@ -188,7 +181,7 @@ class KVDirectLayer(CacheLayerMixin):
         self.saved_hot: list[tuple[int, int, DiskRows]] = []
         # (keys, values) storage with room for HOT_RESERVE_ROWS more rows, of which
         # self.keys / self.values are the leading views; None while the window is compact.
-        self.growth: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.growth: _Growth | None = None
 
     # -- CacheLayerMixin -----------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -330,15 +323,13 @@ class KVDirectLayer(CacheLayerMixin):
         """The hot window this layer's form follows (None: every token)."""
         return self.owner.kv_window if self.form == "kv" else self.owner.hot_window
 
-    def _live_growth(self) -> int | None:
-        """The row of the grown storage where the hot rows start, if they are still its
-        views (resume or a trim may have set the window since); else None."""
-        if self.growth is None:
+    def _live_growth(self) -> _Growth | None:
+        """The grown storage, if the hot rows are still the views it handed out (resume or
+        a trim may have set the window since); else None."""
+        grown = self.growth
+        if grown is None or self.keys is not grown.keys or self.values is not grown.values:
             return None
-        first = _row_offset(self.keys, self.growth[0])
-        if first is None or _row_offset(self.values, self.growth[1]) != first:
-            return None
-        return first
+        return grown
 
     def _grows(self, visible_from: int, hot_from: int) -> bool:
         """Whether the hot rows are all this call needs and nothing leaves them for the
@@ -361,22 +352,23 @@ class KVDirectLayer(CacheLayerMixin):
         concatenation, read by stride, so the same bits.
         """
         n, new_len = self.hot_length, key_states.shape[-2]
-        first = self._live_growth()
-        if first is None or first + n + new_len > self.growth[0].shape[-2]:
+        grown = self._live_growth()
+        if grown is not None and grown.first + n + new_len <= grown.key_rows.shape[-2]:
+            keys, values, first = grown.key_rows, grown.value_rows, grown.first
+        else:
             rows = n - skip + new_len + self.owner.hot_reserve
-            k = key_states.new_empty((*key_states.shape[:2], rows, key_states.shape[-1]))
-            v = value_states.new_empty((*value_states.shape[:2], rows, value_states.shape[-1]))
-            k[..., : n - skip, :].copy_(self.keys[..., skip:, :])
-            v[..., : n - skip, :].copy_(self.values[..., skip:, :])
-            self.growth = (k, v)
-            first = -skip
+            keys = key_states.new_empty((*key_states.shape[:2], rows, key_states.shape[-1]))
+            values = value_states.new_empty((*value_states.shape[:2], rows, value_states.shape[-1]))
+            keys[..., : n - skip, :].copy_(self.keys[..., skip:, :])
+            values[..., : n - skip, :].copy_(self.values[..., skip:, :])
+            first = -skip  # where the dropped rows would have been
         end = first + n + new_len
-        keys, values = self.growth
         keys[..., end - new_len : end, :].copy_(key_states)
         values[..., end - new_len : end, :].copy_(value_states)
         keep = min(self.keep_hot(), end - first - skip)
         self.keys = keys[..., end - keep : end, :]
         self.values = values[..., end - keep : end, :]
+        self.growth = _Growth(keys, values, end - keep, self.keys, self.values)
         return keys[..., first + skip : end, :], values[..., first + skip : end, :]
 
     def release_reserve(self) -> None:
@@ -510,8 +502,9 @@ class KVDirectLayer(CacheLayerMixin):
     # -- accounting ----------------------------------------------------------------------
     def hot_bytes(self) -> int:
         """Bytes the hot window holds, its reserve included."""
-        if self._live_growth() is not None:
-            return nbytes(self.growth[0]) + nbytes(self.growth[1])
+        grown = self._live_growth()
+        if grown is not None:
+            return nbytes(grown.key_rows) + nbytes(grown.value_rows)
         return nbytes(self.keys) + nbytes(self.values)
 
     def checkpoint_bytes(self) -> int:
