@@ -5,7 +5,8 @@ under ``kvdirect_<original>`` and points the model's configs at it, once per mod
 function runs, in order of preference:
 
 1. a streamed layer's attention, when the cache's ``update`` for this layer left cold
-   positions for attention to fetch (:func:`pending_stream`; ``streamed_attention.py``);
+   positions for attention to fetch, or handed them over already read, apart from the hot
+   rows (:func:`pending_stream`; ``streamed_attention.py``);
 2. kvchat's exact kernel (``exact_attention.py``) for ordinary calls on the CPU, so the
    standard cache, the bounded cache's whole K/V and its streamed windows all sum in one
    order and give the same bits;
@@ -105,6 +106,14 @@ def install(attention_modules: list[Any]) -> None:
                 scaling = query.shape[-1] ** -0.5
             window = exact_attention.window_of(module, kwargs)
             layer = pending_stream(module.layer_idx)
+            if layer is not None and layer.held_cold is not None:
+                held = layer.held_cold[0].shape[-2] + key.shape[-2]
+                if inner is None or not exact_attention.usable(
+                    module, query, attention_mask, held, window
+                ):
+                    # Only the exact kernel folds the held rows apart with the same bits.
+                    key, value = layer.join_held(key, value)
+                    layer = None
             if layer is not None:
                 return streamed_attention(
                     layer, module, query, key, value, attention_mask, scaling, window

@@ -173,6 +173,9 @@ class KVDirectLayer(CacheLayerMixin):
         self.pending_residual: torch.Tensor | None = None
         # Cold positions [begin, end) left for the streamed attention to fetch (disk tier).
         self.pending_cold: tuple[int, int] | None = None
+        # Cold K/V already read into attention's buffer for this call, handed over with
+        # pending_cold so attention folds it before the hot rows, which stay where they are.
+        self.held_cold: tuple[torch.Tensor, torch.Tensor] | None = None
         # K/V leaving the hot window while streamed attention still reads cold rows that
         # die with this call: written out once it has (finish_streamed), into their space.
         self.pending_write: tuple[torch.Tensor, torch.Tensor, int] | None = None
@@ -246,7 +249,7 @@ class KVDirectLayer(CacheLayerMixin):
         visible_from, hot_from = self.attended_range()
         parts_k, parts_v = [], []
         in_place: list[Piece] = []  # cold pieces read straight into attention's buffer
-        self.pending_cold = None
+        self.pending_cold = self.held_cold = None
         if visible_from < hot_from:
             if self.owner.stream_chunk is not None:
                 # Too big to hold at once: attention fetches it chunk by chunk (see
@@ -266,6 +269,10 @@ class KVDirectLayer(CacheLayerMixin):
                 set_pending_stream(self)
             else:
                 in_place = self.cold.in_place_pieces(visible_from, hot_from, key_states)
+                if in_place and self._steps_in_reserve(new_len):
+                    return self._update_apart(
+                        in_place, visible_from, hot_from, key_states, value_states
+                    )
                 cold = (
                     [] if in_place else self.iter_cold_kv(visible_from, hot_from, READ_CHUNK_ROWS)
                 )
@@ -275,7 +282,8 @@ class KVDirectLayer(CacheLayerMixin):
         skip = max(0, visible_from - hot_from)  # hot tokens a sliding layer can no longer see
         if not (in_place or parts_k or self.pending_cold) and self._grows(visible_from, hot_from):
             self.cumulative_length = start + new_len
-            full_k, full_v = self._append_hot(key_states, value_states, skip)
+            room = new_len + self.owner.hot_reserve
+            full_k, full_v = self._append_hot(key_states, value_states, skip, room)
             if self.is_sliding:
                 self.store.drop_before(self._needed_from())
             self._forget_saved_below(self.hot_from)
@@ -310,7 +318,7 @@ class KVDirectLayer(CacheLayerMixin):
         if not had_cold and skip == 0 and self.keep_hot() >= full_k.shape[-2]:
             # Nothing leaves the window: what attention gets is the new cache, as in
             # DynamicLayer (a second concatenation cost ~10% of decode time at 2K-8K).
-            self.keys, self.values = full_k, full_v
+            self._hold(full_k, full_v)
         elif self.owner.stream_chunk is None:
             self._retain([(full_k, full_v)], visible_from, hot_from)
         else:
@@ -318,7 +326,71 @@ class KVDirectLayer(CacheLayerMixin):
         self.keep_under_budget()
         return full_k, full_v
 
+    def _steps_in_reserve(self, new_len: int) -> bool:
+        """Whether this call's rows go behind a K/V-form window in its reserve (disk tier,
+        whole K/V read in place), attention folding the cold rows and the window apart."""
+        reserve = self.owner.kv_reserve
+        return self.form == "kv" and 0 < new_len <= reserve and self._window() is not None
+
+    def _update_apart(
+        self,
+        pieces: list[Piece],
+        visible_from: int,
+        hot_from: int,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cold rows [visible_from, hot_from) read into attention's buffer and handed
+        over apart (``held_cold``); the new rows appended behind the hot window in its
+        reserve, and the rows that leave the window written out. Attention folds the cold
+        rows, then the window: the exact kernel folds keys one by one, so the bits are those
+        of one call over all of them, and neither the window nor the new rows are copied
+        into the buffer and back out at every step."""
+        from kvchat.engine.kvdirect.attention import set_pending_stream
+
+        self.held_cold = self.cold.token_major(pieces, visible_from, hot_from, [])
+        self.owner.stats.note_scratch(self.owner.scratch.rows_buffers_bytes())
+        self.pending_cold = (visible_from, hot_from)
+        set_pending_stream(self)
+        self.cumulative_length += key_states.shape[-2]
+        # New storage holds the window, then the step's row and the reserve the plan counts.
+        room = max(key_states.shape[-2], 1 + self.owner.kv_reserve)
+        full_k, full_v = self._append_hot(key_states, value_states, 0, room)
+        lo = max(hot_from, self._needed_from())
+        if lo < self.hot_from:
+            rows = slice(lo - hot_from, self.hot_from - hot_from)
+            self._write_out(full_k[..., rows, :], full_v[..., rows, :], lo)
+        if self.is_sliding:
+            self.store.drop_before(self._needed_from())
+        self._forget_saved_below(self.hot_from)
+        self.keep_under_budget()
+        return full_k, full_v
+
+    def cold_chunks(
+        self, begin: int, end: int, chunk_rows: int | None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """What attention folds before the hot rows: the cold K/V this call's update read
+        already, else positions [begin, end) read ``chunk_rows`` at a time."""
+        held, self.held_cold = self.held_cold, None
+        if held is not None:
+            return iter([held])
+        return self.iter_cold_kv(begin, end, chunk_rows)
+
+    def join_held(
+        self, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held cold K/V followed by ``key``/``value``, as one tensor each: for an
+        attention that cannot fold them apart (not kvchat's exact kernel)."""
+        (cold_k, cold_v), self.held_cold = self.held_cold, None
+        self.pending_cold = None
+        return torch.cat([cold_k, key], dim=-2), torch.cat([cold_v, value], dim=-2)
+
     # -- the hot window ------------------------------------------------------------------
+    def _hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make ``keys``/``values`` the hot rows, letting go of any grown storage."""
+        self.keys, self.values = keys, values
+        self.growth = None
+
     def _window(self) -> int | None:
         """The hot window this layer's form follows (None: every token)."""
         return self.owner.kv_window if self.form == "kv" else self.owner.hot_window
@@ -340,13 +412,14 @@ class KVDirectLayer(CacheLayerMixin):
         return visible_from >= hot_from if self.is_sliding else hot_from == 0
 
     def _append_hot(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, skip: int
+        self, key_states: torch.Tensor, value_states: torch.Tensor, skip: int, room: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the new rows behind the hot ones (from ``skip``), in the reserve when it has
-        room; returns what attention reads (the hot rows from ``skip``, then the new), and
-        keeps the last ``keep_hot()`` of them as the hot window. A sliding layer's window
-        moves along the reserve; when the reserve is used up, the rows still needed move
-        to fresh storage with a new reserve behind them.
+        room (new storage has ``room`` rows behind the hot ones); returns what attention
+        reads (the hot rows from ``skip``, then the new), and keeps the last ``keep_hot()``
+        of them as the hot window. A window that keeps a bounded number of rows (sliding,
+        or under the disk tier) moves along the reserve; when the reserve is used up, the
+        rows still needed move to fresh storage with a new reserve behind them.
 
         Attention gets views of the grown storage: the same values in the same order as a
         concatenation, read by stride, so the same bits.
@@ -356,7 +429,7 @@ class KVDirectLayer(CacheLayerMixin):
         if grown is not None and grown.first + n + new_len <= grown.key_rows.shape[-2]:
             keys, values, first = grown.key_rows, grown.value_rows, grown.first
         else:
-            rows = n - skip + new_len + self.owner.hot_reserve
+            rows = n - skip + room
             keys = key_states.new_empty((*key_states.shape[:2], rows, key_states.shape[-1]))
             values = value_states.new_empty((*value_states.shape[:2], rows, value_states.shape[-1]))
             keys[..., : n - skip, :].copy_(self.keys[..., skip:, :])
@@ -420,7 +493,7 @@ class KVDirectLayer(CacheLayerMixin):
                     self._write_out(k, v, lo)
         k, v, view = _rows(spans, n - keep, n)
         # A view may be of a buffer every layer reuses, or pin a whole chunk: copy it.
-        self.keys, self.values = (k.clone(), v.clone()) if view else (k, v)
+        self._hold(*((k.clone(), v.clone()) if view else (k, v)))
         if self.is_sliding:
             # A piece may go once no row of it can be seen again by a later query.
             self.store.drop_before(self._needed_from())
@@ -484,9 +557,10 @@ class KVDirectLayer(CacheLayerMixin):
                     self._write_out(
                         self.keys[..., lo:cut, :], self.values[..., lo:cut, :], self.hot_from + lo
                     )
-            self.keys = _compact(self.keys[..., cut:, :])
-            self.values = _compact(self.values[..., cut:, :])
+            self._hold(_compact(self.keys[..., cut:, :]), _compact(self.values[..., cut:, :]))
             self._forget_saved_below(self.hot_from)
+        elif self._window() is not None and not self.owner.kv_reserve:
+            self.release_reserve()  # the plan no longer counts a reserve
 
     # -- reading cold rows ---------------------------------------------------------------
     def cold_kv(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -536,7 +610,7 @@ class KVDirectLayer(CacheLayerMixin):
     def set_hot(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The hot window's K/V, as rebuilt on resume (the last ``keys.shape[-2]`` tokens)."""
         self.lazy_initialization(keys, values)
-        self.keys, self.values = _compact(keys), _compact(values)
+        self._hold(_compact(keys), _compact(values))
 
 
 class KVDirectCache(Cache):
@@ -564,6 +638,7 @@ class KVDirectCache(Cache):
         # Rows each growing hot window may hold ahead (see HOT_RESERVE_ROWS). 0 keeps it
         # compact, as under a ceiling, whose planner counts rows as they are.
         self.hot_reserve = 0
+        self.kv_reserve = 0  # the same for K/V-form windows under the disk tier (Plan)
         self.stats = CacheStats()
         # Disk tier (set by the planner under a ceiling): resident checkpoint bytes allowed
         # across residual layers, and the chunk size of streamed attention (None: hand
@@ -732,6 +807,7 @@ class KVDirectCache(Cache):
         self._raise_spill_error()
         self.hot_window = plan.hot_window
         self.kv_window = plan.kv_window
+        self.kv_reserve = plan.kv_reserve
         self.checkpoint_budget = plan.checkpoint_budget
         self.enable_streaming(plan.stream_chunk)
         if not plan.disk_tier:

@@ -120,17 +120,17 @@ class ColdReader:
         after: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the cold positions [begin, end) (held by ``pieces``) followed by the
-        ``after`` K/V pairs, as views of a token-major buffer (one of two, by layer): the
-        stored rows are read into it as they lie on disk, so nothing regathers them; the
-        attention kernel takes the strided views and gives bit-identical results
-        (tests/engine/kvdirect/test_tiers.py). Whole pieces are read, so a piece that starts before
-        ``begin`` leads the buffer."""
+        ``after`` K/V pairs (none: the cold rows alone), as views of a token-major buffer
+        (one of two, by layer): the stored rows are read into it as they lie on disk, so
+        nothing regathers them; the attention kernel takes the strided views and gives
+        bit-identical results (tests/engine/kvdirect/test_tiers.py). Whole pieces are read,
+        so a piece that starts before ``begin`` leads the buffer."""
         layer = self.layer
         lead = begin - pieces[0].start
         stored = pieces[-1].end - pieces[0].start
         tail = sum(k.shape[-2] for k, _ in after)
         heads, dim = layer.kv_heads, layer.head_dim
-        dtype = after[0][0].dtype
+        dtype = pieces[0].dtype  # the model's: in_place_pieces checked it
         rows = max(stored, lead + end - begin) + tail
         width = 2 * heads * dim
         stats = layer.owner.stats
@@ -143,8 +143,9 @@ class ColdReader:
         stats.disk_read_bytes += layer.store.read_bytes(pieces)
         stats.rows_read_in_place += stored
         # While this layer computes, the next one's cold rows come in on the other core.
-        layer.owner.prefetch(layer.layer_idx + 1, dtype, key_states_rows=after[-1][0].shape[-2])
-        both = flat.view(1, rows, 2, heads, dim)
+        new_rows = after[-1][0].shape[-2] if after else 1
+        layer.owner.prefetch(layer.layer_idx + 1, dtype, key_states_rows=new_rows)
+        both = flat[: rows * width].view(1, rows, 2, heads, dim)
         at = lead + (end - begin)
         for k, v in after:
             n = k.shape[-2]

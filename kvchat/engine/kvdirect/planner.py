@@ -3,12 +3,14 @@
 The planner works from the per-layer bytes of ``footprint.py``. Conversation state is
 
     sum over residual-form layers of  tokens_kept * residual + min(B, tokens) * kv
-  + sum over K/V-form layers of       min(W, tokens) * kv
+  + sum over K/V-form layers of       min(W + R, tokens) * kv
   + scratch (one layer's K/V for the tokens it attends to, plus the copy handed to
     attention) whenever anything cold is read back
   + token ids (8 bytes each)
 
-where sliding-window layers keep at most about one window of tokens. In order:
+where sliding-window layers keep at most about one window of tokens, and R is the rows a
+K/V-form window holds ahead for decode steps under the disk tier when attention gets whole
+K/V (``KV_STEP_RESERVE`` plus the step's row; 0 otherwise). In order:
 
 1. everything fits: nothing is evicted (K/V-form layers then hold what DynamicCache holds);
 2. residual checkpoints fit but not every K/V: the residual layers' hot window B shrinks;
@@ -83,6 +85,7 @@ class Plan:
     stream_chunk: int | None = None  # rows per streamed attention chunk; None: whole K/V
     kv_window: int | None = None  # K/V-form layers under the disk tier; None: all hot
     decode_stream_chunk: int | None = None  # rows per streamed chunk for one-token steps
+    kv_reserve: int = 0  # rows a K/V-form hot window may hold beyond kv_window (counted)
     estimate: StateEstimate | None = field(default=None, compare=False)
 
     @property
@@ -108,6 +111,10 @@ STREAM_CHUNKS = (1024, 512, 256, 128, 64, 32, 16)
 DECODE_STREAM_CHUNKS = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 PLAN_BLOCK = 32
 DECODE_HOT_ROWS = 4  # K/V rows a decode step keeps resident at least, before its chunk grows
+# Rows a K/V-form hot window holds ahead under the disk tier when attention gets whole K/V:
+# a decode step appends its row there and attention reads the window where it lies, instead
+# of the window being copied next to the cold rows and back out at every layer and step.
+KV_STEP_RESERVE = 16
 
 
 class Planner:
@@ -239,19 +246,24 @@ class Planner:
         room_kv = room * need_kv // max(1, need_kv + need_res)
         room_res = room - room_kv
 
-        def hot(window: int, group: list) -> int:
-            return sum(min(window, v) * x.kv_bytes for x, v in group)
+        def hot(window: int, group: list, ahead: int = 0) -> int:
+            return sum(min(window + ahead, v) * x.kv_bytes for x, v in group)
 
+        # The window's storage: its rows, the one a step adds, and the reserve.
+        kv_reserve = KV_STEP_RESERVE if stream_chunk is None else 0
+        kv_ahead = kv_reserve + 1 if kv_reserve else 0
         kv_window = None
         if kvs:
-            kv_window = self._largest(n_tokens, lambda w: hot(w, kvs) + self.ceiling - room_kv)
+            kv_window = self._largest(
+                n_tokens, lambda w: hot(w, kvs, kv_ahead) + self.ceiling - room_kv
+            )
         b, budget = None, 0
         if res:
             b = self._largest(n_tokens, lambda w: 2 * hot(w, res) + self.ceiling - room_res)
             budget = max(0, room_res - hot(b, res))
-        used = (hot(kv_window, kvs) if kvs else 0) + (hot(b, res) if res else 0)
+        used = (hot(kv_window, kvs, kv_ahead) if kvs else 0) + (hot(b, res) if res else 0)
         estimate = StateEstimate(used, budget, scratch, fixed)
-        return Plan(b, budget, stream_chunk, kv_window, decode_chunk, estimate)
+        return Plan(b, budget, stream_chunk, kv_window, decode_chunk, kv_reserve, estimate)
 
     def _stream_scratch(self, layer: LayerFootprint, rows: int, form: str = "residual") -> int:
         """Peak bytes of one streamed chunk of ``rows`` cold tokens: K/V rows are read into

@@ -229,7 +229,9 @@ def _small_tensors(path: Path, layout: dict[str, TensorLocation]) -> dict[str, t
 def _restore_hot(layer: KVDirectLayer, n_cached: int) -> None:
     """The hot window's K/V from the saved pieces (replayed or read: the same bits). A
     K/V-form layer's hot rows leave its store (the store holds only what is cold); where
-    they were saved as K/V, that is remembered so they are never written out again."""
+    they were saved as K/V, that is remembered so they are never written out again.
+    Residual rows leave the store only whole calls at a time (replayed with their own row
+    count), so the window may start earlier: the rows before it go out again as K/V."""
     store = layer.store
     if store.start is None:
         return
@@ -237,12 +239,15 @@ def _restore_hot(layer: KVDirectLayer, n_cached: int) -> None:
     if keep <= 0:
         return
     begin = n_cached - keep
+    if layer.form == "kv":
+        begin = store.call_start(begin)
     keys, values = layer.cold_kv(begin, n_cached)
     layer.set_hot(keys, values)
     if layer.form == "kv":
         for piece in store.take(begin):
             if piece.form == "kv" and piece.saved is not None:
                 layer.saved_hot.append((piece.start, piece.end, piece.saved))
+        layer.trim_hot()
 
 
 # -- the standard cache -----------------------------------------------------------------------

@@ -247,6 +247,18 @@ class RowStore:
     def pieces_in(self, begin: int, end: int) -> list[Piece]:
         return [p for p in self.pieces if p.end > begin and p.start < end]
 
+    def call_start(self, position: int) -> int:
+        """The first position of the forward call whose residual rows hold ``position``
+        (where the store can be cut without splitting a call), else ``position``."""
+        for p in self.pieces_in(position, position + 1):
+            if p.calls is not None:
+                at = p.start
+                for rows in p.calls:
+                    if at + rows > position:
+                        return at
+                    at += rows
+        return position
+
     def load(
         self,
         pieces: list[Piece],

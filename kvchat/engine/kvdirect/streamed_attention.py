@@ -48,8 +48,8 @@ class StreamedLayer(Protocol):
     @property
     def owner(self) -> StreamingCache: ...
 
-    def iter_cold_kv(
-        self, begin: int, end: int, chunk_rows: int | None = None
+    def cold_chunks(
+        self, begin: int, end: int, chunk_rows: int | None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
 
     def finish_streamed(self) -> None: ...
@@ -145,7 +145,7 @@ def streamed_attention(
     total = end - begin + key.shape[-2]
     owner = layer.owner
     chunk = owner.decode_stream_chunk if q_len == 1 and owner.decode_stream_chunk else None
-    cold = layer.iter_cold_kv(begin, end, chunk or owner.stream_chunk)
+    cold = layer.cold_chunks(begin, end, chunk or owner.stream_chunk)
     if exact_attention.usable(module, query, attention_mask, total, window):
         state = exact_attention.AttentionState(query, scaling, total - q_len, window)
         column = 0

@@ -1,9 +1,11 @@
-"""The growing hot window (no ceiling): rows copied into a reserve, not concatenated.
+"""The growing hot window: rows copied into a reserve, not concatenated.
 
-Against the standard cache on every tiny family: the same logits bit for bit, the same K/V,
-no new storage per decode step while the reserve lasts (a sliding layer's window moves
-through its reserve), and after ``release_reserve`` (what a session does after each reply)
-exactly the bytes the standard cache holds.
+With no ceiling, against the standard cache on every tiny family: the same logits bit for
+bit, the same K/V, no new storage per decode step while the reserve lasts (a sliding layer's
+window moves through its reserve), and after ``release_reserve`` (what a session does after
+each reply) exactly the bytes the standard cache holds. Under the disk tier, a K/V-form
+window moves through the reserve the plan counts while the cold rows are read in place and
+folded apart, with the same bits.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kvchat.engine.kvdirect.arch import ArchAdapter
 from kvchat.engine.kvdirect.cache import HOT_RESERVE_ROWS, KVDirectCache
 from kvchat.lab.tiny_models import FAMILIES
 from tests.engine.kvdirect.test_cache_exact import run_conversation, tiny_model
+from tests.engine.kvdirect.test_tiers import tiered_cache
 
 
 def growing_cache(model) -> KVDirectCache:
@@ -114,4 +117,49 @@ def test_a_window_set_from_outside_is_taken_as_it_is():
     assert torch.equal(a, b)
     for mine, ref in zip(cache.layers, standard.layers):
         assert torch.equal(mine.keys, ref.keys)
+    cache.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_under_the_disk_tier_the_window_moves_through_its_reserve(family, tmp_path):
+    """K/V-form windows of 6 rows with the cold rows on disk, read in place: attention folds
+    the cold rows and the window apart, and the logits and K/V are the standard cache's."""
+    model = tiny_model(family)
+    standard = DynamicCache(config=model.config)
+    ref_tokens, ref_logits = run_conversation(model, standard)
+    cache = tiered_cache(model, "kv", 6, "spill", tmp_path)
+    cache.kv_reserve = 4
+    tokens, logits = run_conversation(model, cache)
+    assert tokens == ref_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
+    assert cache.stats.rows_read_in_place > 0
+    for mine, ref in zip(cache.layers, standard.layers):
+        assert torch.equal(mine.keys, ref.keys[..., -mine.hot_length :, :])
+        assert mine.hot_bytes() <= 2 * (6 + 1 + 4) * mine.keys[..., :1, :].nbytes
+    cache.close()
+
+
+def test_under_the_disk_tier_a_decode_step_copies_no_window(tmp_path):
+    """The window's rows stay where they lie while the reserve lasts (before, every step
+    copied them next to the cold rows and cloned them back out), then move once."""
+    model = tiny_model("llama")
+    standard = DynamicCache(config=model.config)
+    cache = tiered_cache(model, "kv", 6, "spill", tmp_path)
+    cache.kv_reserve = 4
+    with torch.inference_mode():
+        ids = list(range(5, 45))
+        ref = prefill(model, standard, ids, torch.device("cpu"), 16)
+        logits = prefill(model, cache, ids, torch.device("cpu"), 16)
+        assert torch.equal(logits, ref)
+        layer = cache.layers[0]
+        storages = []
+        for step in range(9):
+            token = int(ref.argmax())
+            ref = forward(model, standard, [token], torch.device("cpu"))
+            logits = forward(model, cache, [token], torch.device("cpu"))
+            assert torch.equal(logits, ref), f"step {step}"
+            assert layer.hot_length == 6
+            storages.append(layer.keys.untyped_storage().data_ptr())
+    assert len(set(storages[:5])) == 1 and len(set(storages)) == 2, storages
+    assert cache.stats.rows_read_in_place > 0
     cache.close()
