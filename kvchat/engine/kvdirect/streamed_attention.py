@@ -134,9 +134,11 @@ def streamed_attention(
     attention_mask: torch.Tensor | None,
     scaling: float,
     window: int | None,
+    exact: bool | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over [pending cold K/V, ``key``/``value``]; [b, q, H, d].
-    ``window``: the layer's sliding window (None: full attention)."""
+    ``window``: the layer's sliding window (None: full attention); ``exact``: whether the
+    exact kernel serves, when the caller has checked already."""
     from kvchat.engine.kvdirect import exact_attention
 
     begin, end = layer.pending_cold
@@ -146,7 +148,9 @@ def streamed_attention(
     owner = layer.owner
     chunk = owner.decode_stream_chunk if q_len == 1 and owner.decode_stream_chunk else None
     cold = layer.cold_chunks(begin, end, chunk or owner.stream_chunk)
-    if exact_attention.usable(module, query, attention_mask, total, window):
+    if exact is None:
+        exact = exact_attention.usable(module, query, attention_mask, total, window)
+    if exact:
         state = exact_attention.AttentionState(query, scaling, total - q_len, window)
         column = 0
         for cold_k, cold_v in cold:

@@ -121,21 +121,22 @@ def test_a_window_set_from_outside_is_taken_as_it_is():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_under_the_disk_tier_the_window_moves_through_its_reserve(family, tmp_path):
+@pytest.mark.parametrize("reserve", [4, 16])  # 16: the last turn's 10-row call goes apart too
+def test_under_the_disk_tier_the_window_moves_through_its_reserve(family, reserve, tmp_path):
     """K/V-form windows of 6 rows with the cold rows on disk, read in place: attention folds
     the cold rows and the window apart, and the logits and K/V are the standard cache's."""
     model = tiny_model(family)
     standard = DynamicCache(config=model.config)
     ref_tokens, ref_logits = run_conversation(model, standard)
     cache = tiered_cache(model, "kv", 6, "spill", tmp_path)
-    cache.kv_reserve = 4
+    cache.kv_reserve = reserve
     tokens, logits = run_conversation(model, cache)
     assert tokens == ref_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
     assert cache.stats.rows_read_in_place > 0
     for mine, ref in zip(cache.layers, standard.layers):
         assert torch.equal(mine.keys, ref.keys[..., -mine.hot_length :, :])
-        assert mine.hot_bytes() <= 2 * (6 + 1 + 4) * mine.keys[..., :1, :].nbytes
+        assert mine.hot_bytes() <= 2 * (6 + 1 + reserve) * mine.keys[..., :1, :].nbytes
     cache.close()
 
 
@@ -163,3 +164,25 @@ def test_under_the_disk_tier_a_decode_step_copies_no_window(tmp_path):
     assert len(set(storages[:5])) == 1 and len(set(storages)) == 2, storages
     assert cache.stats.rows_read_in_place > 0
     cache.close()
+
+
+def test_an_attention_that_cannot_fold_apart_gets_the_rows_joined(tmp_path):
+    """A model in eager attention (the lab's baselines read its weights) never gets the cold
+    rows apart: they are joined to the window first, and the logits are those of the cache
+    that copies the window next to them."""
+    from kvchat.engine.kvdirect.attention import route
+    from kvchat.lab.tiny_models import tiny_model as plain_tiny_model
+
+    model = plain_tiny_model("llama", kvchat_attention=False)
+    model.set_attn_implementation("eager")
+    route(model)
+    runs = []
+    for reserve in (0, 4):
+        cache = tiered_cache(model, "kv", 6, "spill", tmp_path / str(reserve))
+        cache.kv_reserve = reserve
+        runs.append(run_conversation(model, cache))
+        assert cache.stats.rows_read_in_place > 0
+        cache.close()
+    (tokens, logits), (tokens_apart, logits_apart) = runs
+    assert tokens_apart == tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits_apart, logits))
