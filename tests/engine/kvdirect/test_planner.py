@@ -94,6 +94,22 @@ def test_disk_tier_keeps_the_bit_identical_path_when_one_layer_fits():
     assert plan.estimate.total <= 64 * 10**6
 
 
+def test_a_kv_window_reads_whole_kv_with_a_reserve_the_estimate_counts():
+    """Under the disk tier with whole K/V, a K/V-form window holds its rows, the step's row
+    and KV_STEP_RESERVE more: the estimate counts all of them, and still fits. Streamed
+    plans keep no reserve."""
+    from kvchat.engine.kvdirect.planner import KV_STEP_RESERVE
+
+    planner, fp = smollm2_planner(8 * 10**6, checkpoint="kv")
+    plan = planner.plan_exact(700)
+    assert plan.disk_tier and plan.stream_chunk is None and plan.kv_reserve == KV_STEP_RESERVE
+    rows = min(plan.kv_window + KV_STEP_RESERVE + 1, 700)
+    assert plan.estimate.hot_kv == rows * sum(layer.kv_bytes for layer in fp.layers)
+    assert plan.estimate.total <= 8 * 10**6
+    streamed = smollm2_planner(2 * 10**6, checkpoint="kv")[0].plan(8192)
+    assert streamed.stream_chunk is not None and streamed.kv_reserve == 0
+
+
 def test_a_ceiling_too_small_even_for_the_disk_tier_says_what_to_do():
     planner, _ = smollm2_planner(50_000)
     with pytest.raises(NeedsDiskTierError) as err:
