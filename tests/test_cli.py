@@ -22,6 +22,34 @@ def kvchat(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProces
     )
 
 
+def kvchat_here(*args: str) -> subprocess.CompletedProcess:
+    """``kvchat ARGS`` in this process (click's ``CliRunner``): the exit status, stdout and
+    stderr a user gets, without a new interpreter importing torch again. For commands that
+    need no signal and no second process. An exception the CLI let through is put on stderr
+    as its traceback, as a real process would print it. The thread counts a model load
+    sets for the whole process are given back after, so later tests run as before."""
+    import traceback
+
+    import torch
+    from click.testing import CliRunner
+
+    from kvchat import threads
+    from kvchat.cli import cli
+
+    torch_threads, counts = torch.get_num_threads(), threads.counts()
+    try:
+        result = CliRunner().invoke(cli, list(args), prog_name="kvchat")
+    finally:
+        if "threads" in counts:
+            threads.apply_threads(counts["threads"])
+        threads.set_decode_threads(counts.get("decode_threads"))
+        torch.set_num_threads(torch_threads)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*result.exc_info))
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, stderr)
+
+
 def test_help_is_instant_and_imports_no_torch():
     start = time.perf_counter()
     out = kvchat("--help")
@@ -68,7 +96,7 @@ def test_bad_size_is_rejected():
 
 @pytest.mark.slow
 def test_run_json_contract_two_turns(smollm2_dir):
-    out = kvchat(
+    out = kvchat_here(
         "run", "--model", str(smollm2_dir), "--json", "--max-new-tokens", "20",
         "--prompt", "What is the capital of France?", "--prompt", "And of Italy?",
     )  # fmt: skip
@@ -85,15 +113,15 @@ def test_run_json_contract_two_turns(smollm2_dir):
 def test_memory_line_and_standard_cache_give_the_same_tokens(smollm2_dir):
     common = ["run", "--model", str(smollm2_dir), "--max-new-tokens", "30",
               "--prompt", "Tell me about the sea.", "--prompt", "And rivers?"]  # fmt: skip
-    ours = kvchat(*common, "--max-mem", "2MB", "--prefill-chunk", "16")
+    ours = kvchat_here(*common, "--max-mem", "2MB", "--prefill-chunk", "16")
     assert ours.returncode == 0, ours.stderr
     mem_lines = [line for line in ours.stderr.splitlines() if line.startswith("[mem]")]
     assert len(mem_lines) == 2
     assert "/ 1.9 MiB ceiling" in mem_lines[0] and "checkpointed" in mem_lines[0]
-    standard = kvchat(*common, "--cache", "standard")
+    standard = kvchat_here(*common, "--cache", "standard")
     assert standard.returncode == 0
     assert ours.stdout == standard.stdout
-    js = kvchat(*common, "--max-mem", "2MB", "--prefill-chunk", "16", "--json")
+    js = kvchat_here(*common, "--max-mem", "2MB", "--prefill-chunk", "16", "--json")
     memory = json.loads(js.stdout.splitlines()[-1])["memory"]
     assert memory["checkpointed_tokens"] > 0 and memory["state_bytes"] <= 2_000_000
     assert memory["disk_tier"] and memory["forms"] == "kv" and memory["plan"].startswith("disk")
@@ -104,7 +132,7 @@ def test_ceiling_too_small_is_one_clear_line(smollm2_dir, tmp_path):
     # 64 KiB is the smallest ceiling accepted; ~4,500 tokens' ids alone pass half of it.
     prompt = tmp_path / "long.txt"
     prompt.write_text(" ".join(f"note {i} is on shelf {i % 13}." for i in range(600)))
-    out = kvchat(
+    out = kvchat_here(
         "run", "--model", str(smollm2_dir), "--max-mem", "64KiB", "--prompt-file", str(prompt)
     )
     assert out.returncode == 1
@@ -134,28 +162,30 @@ def test_saved_conversation_resumes_list_export_delete(smollm2_dir, tmp_path):
     data = ["--data-dir", str(tmp_path)]
     model = ["--model", str(smollm2_dir), "--max-new-tokens", "16", "--hot-window", "6"]
     prompts = ["--prompt", "What is the capital of France?", "--prompt", "And of Spain?"]
-    both = kvchat("run", *model, "--json", "--no-save", *prompts)
+    both = kvchat_here("run", *model, "--json", "--no-save", *prompts)
     expected = [json.loads(line)["tokens"] for line in both.stdout.splitlines()]
 
-    first = kvchat("run", *model, *data, "--json", "--prompt", "What is the capital of France?")
+    first = kvchat_here(
+        "run", *model, *data, "--json", "--prompt", "What is the capital of France?"
+    )
     turn1 = json.loads(first.stdout)
     conv_id = turn1["conversation"]
     assert conv_id and turn1["tokens"] == expected[0]
-    second = kvchat("resume", conv_id, *model, *data, "--json", "--prompt", "And of Spain?")
+    second = kvchat_here("resume", conv_id, *model, *data, "--json", "--prompt", "And of Spain?")
     assert second.returncode == 0, second.stderr
     turn2 = json.loads(second.stdout)
     assert turn2["tokens"] == expected[1] and turn2["conversation"] == conv_id
     assert turn2["memory"]["disk_bytes"] > 0
 
-    listing = kvchat("list", *data)
+    listing = kvchat_here("list", *data)
     assert conv_id in listing.stdout and "What is the capital of France?" in listing.stdout
-    md = kvchat("export", conv_id[:12], "--format", "md", *data)
+    md = kvchat_here("export", conv_id[:12], "--format", "md", *data)
     assert "And of Spain?" in md.stdout and "Madrid" in md.stdout
-    exported = json.loads(kvchat("export", conv_id, "--format", "json", *data).stdout)
+    exported = json.loads(kvchat_here("export", conv_id, "--format", "json", *data).stdout)
     assert len(exported["messages"]) == 4
-    assert kvchat("delete", conv_id, *data).returncode == 0
-    assert conv_id not in kvchat("list", *data).stdout
-    gone = kvchat("run", *model, *data, "--conversation", conv_id, "--prompt", "Hi")
+    assert kvchat_here("delete", conv_id, *data).returncode == 0
+    assert conv_id not in kvchat_here("list", *data).stdout
+    gone = kvchat_here("run", *model, *data, "--conversation", conv_id, "--prompt", "Hi")
     assert gone.returncode == 1 and len(gone.stderr.strip().splitlines()) == 1
 
 
@@ -165,36 +195,36 @@ def test_regenerate_answers_the_last_prompt_again_as_a_fork_or_in_place(smollm2_
     model = ["--model", str(smollm2_dir), "--max-new-tokens", "16", "--json"]
     sampled = ["--temperature", "0.7", "--seed", "5"]
     asked = ["--prompt", "What is the capital of France?", "--prompt", "And of Spain?"]
-    first = kvchat("run", *model, *data, *asked)
+    first = kvchat_here("run", *model, *data, *asked)
     assert first.returncode == 0, first.stderr
     original = [json.loads(line) for line in first.stdout.splitlines()]
     conv_id = original[0]["conversation"]
     # A fresh process fed the same history: turn 1 greedy, turn 2 sampled with the seed.
-    one = kvchat("run", *model, *data, "--prompt", "What is the capital of France?")
+    one = kvchat_here("run", *model, *data, "--prompt", "What is the capital of France?")
     other = json.loads(one.stdout)["conversation"]
-    expected = kvchat("run", *model, *data, *sampled, "--conversation", other, *asked[2:])
+    expected = kvchat_here("run", *model, *data, *sampled, "--conversation", other, *asked[2:])
     expected_tokens = json.loads(expected.stdout)["tokens"]
 
-    again = kvchat("run", *model, *data, *sampled, "--conversation", conv_id, "--regenerate")
+    again = kvchat_here("run", *model, *data, *sampled, "--conversation", conv_id, "--regenerate")
     assert again.returncode == 0, again.stderr
     turn = json.loads(again.stdout)
     assert turn["prompt"] == "And of Spain?" and turn["tokens"] == expected_tokens
     fork = turn["conversation"]
     assert fork != conv_id
     listed = {
-        r["id"]: r for r in json.loads(kvchat("list", "--json", *data).stdout)["conversations"]
+        r["id"]: r for r in json.loads(kvchat_here("list", "--json", *data).stdout)["conversations"]
     }
     assert listed[fork]["forked_from"] == {"id": conv_id, "turn": 1}
-    kept = json.loads(kvchat("export", conv_id, "--format", "json", *data).stdout)
+    kept = json.loads(kvchat_here("export", conv_id, "--format", "json", *data).stdout)
     assert kept["messages"][3]["content"] == original[1]["reply"]  # the original keeps its reply
 
-    in_place = kvchat(
+    in_place = kvchat_here(
         "run", *model, *data, *sampled, "--conversation", conv_id, "--regenerate", "--in-place"
     )
     assert in_place.returncode == 0, in_place.stderr
     assert json.loads(in_place.stdout)["conversation"] == conv_id
     assert json.loads(in_place.stdout)["tokens"] == expected_tokens
-    replaced = json.loads(kvchat("export", conv_id, "--format", "json", *data).stdout)
+    replaced = json.loads(kvchat_here("export", conv_id, "--format", "json", *data).stdout)
     assert len(replaced["messages"]) == 4
     assert replaced["messages"][3]["content"] == turn["reply"]
 

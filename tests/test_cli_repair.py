@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.test_cli import kvchat
+from tests.test_cli import kvchat_here as kvchat
 
 pytestmark = pytest.mark.slow
 

@@ -100,3 +100,22 @@ def test_checkpoint_kv_is_honoured_on_resume(smollm2_loaded, tmp_path):
     assert set(resumed.forms) == {"kv"} and resumed.memory().forms == "kv"
     assert resumed.memory().checkpoint_bytes == 0  # the saved residuals were not loaded
     resumed.close()
+
+
+def test_a_kv_window_that_starts_inside_a_saved_residual_call_resumes_exactly(
+    smollm2_loaded, tmp_path, expected
+):
+    """Saved as residual checkpoints (replayed one whole call at a time), resumed as K/V with
+    a window whose first row lies inside the first 16-row call: the window starts at that
+    call instead, the rows before it go out again as K/V, and the next turn is exact."""
+    tokens, _ = expected
+    first = open_session(smollm2_loaded, data_dir=tmp_path, cache=ROOMY_RESIDUAL)
+    got = [first.send(p, GREEDY).tokens for p in PROMPTS[:2]]
+    conv_id, n_cached = first.conversation.id, first.cache.get_seq_length()
+    first.close()
+    window = CacheSettings(checkpoint="kv", hot_window=n_cached - 8, prefill_chunk=16)
+    resumed = open_session(smollm2_loaded, data_dir=tmp_path, cache=window, conversation_id=conv_id)
+    assert {layer.hot_length for layer in resumed.cache.layers} == {n_cached - 8}
+    got.append(resumed.send(PROMPTS[2], GREEDY).tokens)
+    resumed.close()
+    assert got == tokens
