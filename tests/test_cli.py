@@ -22,12 +22,13 @@ def kvchat(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProces
     )
 
 
-def kvchat_here(*args: str) -> subprocess.CompletedProcess:
+def kvchat_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``kvchat ARGS`` in this process (click's ``CliRunner``): the exit status, stdout and
     stderr a user gets, without a new interpreter importing torch again. For commands that
     need no signal and no second process. An exception the CLI let through is put on stderr
     as its traceback, as a real process would print it. The thread counts a model load
-    sets for the whole process are given back after, so later tests run as before."""
+    sets for the whole process are given back after, so later tests run as before. ``env``:
+    variables set for the call only."""
     import traceback
 
     import torch
@@ -38,7 +39,7 @@ def kvchat_here(*args: str) -> subprocess.CompletedProcess:
 
     torch_threads, counts = torch.get_num_threads(), threads.counts()
     try:
-        result = CliRunner().invoke(cli, list(args), prog_name="kvchat")
+        result = CliRunner().invoke(cli, list(args), prog_name="kvchat", env=env)
     finally:
         if "threads" in counts:
             threads.apply_threads(counts["threads"])
@@ -65,10 +66,10 @@ def test_help_is_instant_and_imports_no_torch():
 
 @pytest.mark.slow
 def test_inspect_prints_the_per_layer_table():
-    out = kvchat("inspect", "smollm2-135m")
+    out = kvchat_here("inspect", "smollm2-135m")
     assert out.returncode == 0
     assert "23,040" in out.stdout or "22.5 KiB" in out.stdout
-    data = json.loads(kvchat("inspect", "gemma-3-4b", "--json").stdout)
+    data = json.loads(kvchat_here("inspect", "gemma-3-4b", "--json").stdout)
     assert len(data["layers"]) == 34
 
 

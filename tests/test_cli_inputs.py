@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_cli import kvchat_here
+
 BAD_UTF8 = b"caf\xe9 au lait\n"  # latin-1, not UTF-8
 
 
@@ -129,7 +131,7 @@ def test_a_prompt_past_the_context_length_is_refused_with_the_numbers(tmp_path):
     long_prompt = tmp_path / "long.txt"
     long_prompt.write_text("the sea and the ship " * 2100)  # ~10K tokens, SmolLM2 has 8192
     started = time.monotonic()
-    out = kvchat("run", "--no-save", "--prompt-file", str(long_prompt), env=_env(tmp_path))
+    out = kvchat_here("run", "--no-save", "--prompt-file", str(long_prompt), env=_env(tmp_path))
     assert out.returncode == 1, out.stderr
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("kvchat: error:") and "8,192" in line and "tokens" in line
@@ -141,7 +143,7 @@ def test_a_prompt_past_the_context_length_is_refused_with_the_numbers(tmp_path):
 def test_a_turn_that_cannot_be_saved_exits_3_and_says_so(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("a regular file, so no data dir can be created under it")
-    out = kvchat(
+    out = kvchat_here(
         "run", "--data-dir", str(a_file / "data"), "--max-new-tokens", "4",
         "--prompt", "Hi", "--prompt", "Bye", env=_env(tmp_path),
     )  # fmt: skip
@@ -149,7 +151,7 @@ def test_a_turn_that_cannot_be_saved_exits_3_and_says_so(tmp_path):
     assert "Traceback" not in out.stderr
     assert out.stderr.count("saving failed") == 2
     assert "turns 1-2 are not saved" in out.stderr
-    js = kvchat(
+    js = kvchat_here(
         "run", "--json", "--data-dir", str(a_file / "data"), "--max-new-tokens", "4",
         "--prompt", "Hi", env=_env(tmp_path),
     )  # fmt: skip
@@ -175,14 +177,14 @@ def test_a_base_model_gets_plain_completion_and_is_told_so(smollm2_dir, tmp_path
     from kvchat.engine.models.quantized_load import small_form_path
 
     try:
-        out = kvchat(
+        out = kvchat_here(
             "run", "--model", str(base), "--no-save", "--max-new-tokens", "12",
             "--prompt", "The capital of France is", env=_env(tmp_path),
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
         assert "is a base model (no chat template): plain completion" in out.stderr
         assert "Assistant" not in out.stdout and "User" not in out.stdout
-        js = kvchat(
+        js = kvchat_here(
             "run", "--model", str(base), "--no-save", "--max-new-tokens", "4", "--json",
             "--prompt", "The capital of France is", env=_env(tmp_path),
         )  # fmt: skip
