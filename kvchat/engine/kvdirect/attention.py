@@ -107,16 +107,14 @@ def install(attention_modules: list[Any]) -> None:
             window = exact_attention.window_of(module, kwargs)
             layer = pending_stream(module.layer_idx)
             if layer is not None:
-                held = layer.held_cold
-                exact = None  # streamed: streamed_attention decides
-                if held is not None:
-                    exact = inner is not None and exact_attention.usable(
-                        module, query, attention_mask, held[0].shape[-2] + key.shape[-2], window
-                    )
-                if exact is not False:
-                    return streamed_attention(
-                        layer, module, query, key, value, attention_mask, scaling, window, exact
-                    ), None
+                args = (layer, module, query, key, value, attention_mask, scaling, window)
+                if layer.held_cold is None:
+                    return streamed_attention(*args), None
+                n_keys = layer.held_cold[0].shape[-2] + key.shape[-2]
+                if inner is not None and exact_attention.usable(
+                    module, query, attention_mask, n_keys, window
+                ):
+                    return streamed_attention(*args, exact=True), None
                 # Only the exact kernel folds the held rows apart with the same bits.
                 key, value = layer.join_held(key, value)
             if inner is not None and exact_attention.usable(

@@ -284,9 +284,7 @@ class KVDirectLayer(CacheLayerMixin):
             self.cumulative_length = start + new_len
             room = new_len + self.owner.hot_reserve
             full_k, full_v = self._append_hot(key_states, value_states, skip, room)
-            if self.is_sliding:
-                self.store.drop_before(self._needed_from())
-            self._forget_saved_below(self.hot_from)
+            self._settle_window()
             return full_k, full_v
         hot_k, hot_v = self.keys[..., skip:, :], self.values[..., skip:, :]
         if in_place:
@@ -360,9 +358,7 @@ class KVDirectLayer(CacheLayerMixin):
         if lo < self.hot_from:
             rows = slice(lo - hot_from, self.hot_from - hot_from)
             self._write_out(full_k[..., rows, :], full_v[..., rows, :], lo)
-        if self.is_sliding:
-            self.store.drop_before(self._needed_from())
-        self._forget_saved_below(self.hot_from)
+        self._settle_window()
         self.keep_under_budget()
         return full_k, full_v
 
@@ -386,6 +382,13 @@ class KVDirectLayer(CacheLayerMixin):
         return torch.cat([cold_k, key], dim=-2), torch.cat([cold_v, value], dim=-2)
 
     # -- the hot window ------------------------------------------------------------------
+    def _settle_window(self) -> None:
+        """After the hot window moved: a sliding layer's pieces go once no row of them can
+        be seen again by a later query, and saved rows now cold stop counting as hot."""
+        if self.is_sliding:
+            self.store.drop_before(self._needed_from())
+        self._forget_saved_below(self.hot_from)
+
     def _hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Make ``keys``/``values`` the hot rows, letting go of any grown storage."""
         self.keys, self.values = keys, values
@@ -494,10 +497,7 @@ class KVDirectLayer(CacheLayerMixin):
         k, v, view = _rows(spans, n - keep, n)
         # A view may be of a buffer every layer reuses, or pin a whole chunk: copy it.
         self._hold(*((k.clone(), v.clone()) if view else (k, v)))
-        if self.is_sliding:
-            # A piece may go once no row of it can be seen again by a later query.
-            self.store.drop_before(self._needed_from())
-        self._forget_saved_below(self.hot_from)
+        self._settle_window()
 
     def finish_streamed(self) -> None:
         """Streamed attention has read this call's cold rows: drop those no later query can
