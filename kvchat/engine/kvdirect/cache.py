@@ -299,10 +299,7 @@ class KVDirectLayer(CacheLayerMixin):
         else:
             full_k = torch.cat([hot_k, key_states], dim=-2)
             full_v = torch.cat([hot_v, value_states], dim=-2)
-        if in_place:
-            # This layer's buffer, and the next layer's being read meanwhile.
-            self.owner.stats.note_scratch(self.owner.scratch.rows_buffers_bytes())
-        elif parts_k:
+        if parts_k:
             held = {
                 t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in parts_k + parts_v
@@ -347,7 +344,6 @@ class KVDirectLayer(CacheLayerMixin):
         from kvchat.engine.kvdirect.attention import set_pending_stream
 
         self.held_cold = self.cold.token_major(pieces, visible_from, hot_from, [])
-        self.owner.stats.note_scratch(self.owner.scratch.rows_buffers_bytes())
         self.pending_cold = (visible_from, hot_from)
         set_pending_stream(self)
         self.cumulative_length += key_states.shape[-2]
@@ -450,8 +446,7 @@ class KVDirectLayer(CacheLayerMixin):
     def release_reserve(self) -> None:
         """Hold the hot rows in storage of their own size (between replies)."""
         if self.growth is not None:
-            self.growth = None
-            self.keys, self.values = _compact(self.keys), _compact(self.values)
+            self._hold(_compact(self.keys), _compact(self.values))
 
     def keep_hot(self) -> int:
         """How many of the most recent tokens keep their K/V after this step."""

@@ -145,6 +145,7 @@ class ColdReader:
         # While this layer computes, the next one's cold rows come in on the other core.
         new_rows = after[-1][0].shape[-2] if after else 1
         layer.owner.prefetch(layer.layer_idx + 1, dtype, key_states_rows=new_rows)
+        stats.note_scratch(layer.owner.scratch.rows_buffers_bytes())  # this and the next
         both = flat[: rows * width].view(1, rows, 2, heads, dim)
         at = lead + (end - begin)
         for k, v in after:
