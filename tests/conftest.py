@@ -23,11 +23,10 @@ prefer_passive_wait()
 
 def _share_the_cores_between_workers() -> None:
     """Under ``pytest -n N`` every worker would take every core, and on 2 cores two workers'
-    GEMMs then wait on each other's descheduled threads; each worker takes its share instead
-    (measured on the engine's chat and weights tests with ``-n 2`` on 2 cores: 80 s against
-    106 s). Thread counts change bits only between runs under different counts, and every
-    comparison here runs in one worker or in child processes that inherit the same count.
-    A count the user set wins."""
+    GEMMs then wait on each other's descheduled threads; each worker takes its share instead.
+    Thread counts change bits only between runs under different counts, and every comparison
+    here runs in one worker or in child processes that inherit the same count; the tests of
+    thread counts set theirs. A count the user set wins."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if workers.isdigit() and int(workers) > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, default_threads() // int(workers)))
