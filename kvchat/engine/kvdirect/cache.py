@@ -716,7 +716,7 @@ class KVDirectCache(Cache):
         width = 2 * layer.kv_heads * layer.head_dim
         flat = self.scratch.rows_buffer(rows * width, dtype, layer_idx % 2)
         cold = flat[: stored * width].view(torch.uint8)
-        future = _prefetcher().submit(layer.store.read_into, pieces, cold, False)
+        future = _prefetcher().submit(layer.store.read_into, pieces, cold)
         self._prefetched = (layer_idx, [id(p) for p in pieces], rows * width, flat, future)
 
     def take_prefetched(self, layer_idx: int, pieces: list[Any], numel: int) -> Any:
@@ -918,8 +918,8 @@ _PREFETCHER: ThreadPoolExecutor | None = None
 
 
 def _prefetcher() -> ThreadPoolExecutor:
-    """One thread that reads the next layer's rows, unsplit (``read_into(..., False)``): it
-    overlaps the current layer's computation, which already has the cores."""
+    """One thread that reads the next layer's rows (not disk_tier's pool, whose split reads
+    a prefetched read waits on)."""
     global _PREFETCHER
     if _PREFETCHER is None:
         _PREFETCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvchat-prefetch")

@@ -6,22 +6,18 @@ append-only raw file per layer, under the data dir, deleted when the session clo
 turn is saved they are re-pointed at the conversation's own segment files (safetensors,
 checksummed when the conversation is opened), and the spill files are emptied. Either way a
 checkpoint on disk is a ``DiskRows``: a file, a byte offset, a shape and a dtype, read with
-``preadv`` into a buffer the cache reuses, never memory-mapped (a file truncated under a
-mapping, or a read error in one, would kill the process), so what is read counts as
-scratch. The decode path's reads check each chunk's digest as it lands, while the chunk is
-still in the core's cache; a large read on the critical path is split over two threads,
-one read ahead of need (already on a thread of its own) is not.
+``preadv`` (a large read split over two threads) into a buffer the cache reuses, never
+memory-mapped (a file truncated under a mapping would kill the process), so what is read
+counts as scratch.
 """
 
 from __future__ import annotations
 
 import atexit
 import bisect
-import itertools
 import math
 import os
 import shutil
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,7 +28,6 @@ import torch
 from kvchat.errors import StorageError
 
 PARALLEL_READ_BYTES = 4 << 20  # reads at least this large are split over two threads
-CHECK_CHUNK_BYTES = 512 << 10  # read and checked in one go while still in the cache
 _READER: ThreadPoolExecutor | None = None
 
 
@@ -82,26 +77,6 @@ class RowFile:
                 self._read_span(fd, buffer[:half], offset)
             finally:
                 other.result()
-        finally:
-            if not self.writable:
-                os.close(fd)
-
-    def read_checked(
-        self, buffer: memoryview, offset: int, on_chunk: Callable[[int, memoryview], None]
-    ) -> None:
-        """Read ``buffer`` from ``offset`` :data:`CHECK_CHUNK_BYTES` at a time, handing each
-        chunk to ``on_chunk(at, chunk)`` (``at``: its place in ``buffer``) as soon as it
-        lands: it is still in the core's cache then, so checking the rows costs no second
-        pass over memory."""
-        try:
-            fd = self.fd if self.writable else os.open(self.path, os.O_RDONLY)
-        except OSError as e:
-            raise StorageError(f"cannot read {self.path} ({e.strerror}); {self._fix()}") from None
-        try:
-            for at in range(0, len(buffer), CHECK_CHUNK_BYTES):
-                chunk = buffer[at : at + CHECK_CHUNK_BYTES]
-                self._read_span(fd, chunk, offset + at)
-                on_chunk(at, chunk)
         finally:
             if not self.writable:
                 os.close(fd)
@@ -231,56 +206,6 @@ def read_rows(
             at += part.nbytes
         i = j + 1
     return out
-
-
-def read_rows_checked(
-    parts: list[DiskRows],
-    into: torch.Tensor,
-    on_chunk: Callable[[int, memoryview], None],
-    parallel: bool = True,
-) -> None:
-    """Read ``parts`` back to back into ``into`` (a flat uint8 CPU tensor of their bytes),
-    each run adjacent in one file as one chunked read (:meth:`RowFile.read_checked`);
-    ``on_chunk(at, chunk)`` gets every chunk as it lands, ``at`` its place in ``into``.
-
-    ``parallel``: a large read is split over two threads at the part boundary nearest its
-    middle, so one part's chunks always arrive in order on one thread (a caller hashing
-    each part sees its bytes in order). A read ahead of need, already on a thread of its
-    own, passes False: two more busy threads would take the cores from the computation it
-    overlaps."""
-    starts = list(itertools.accumulate((p.nbytes for p in parts), initial=0))
-    total = starts[-1]
-    if into.numel() != total:
-        raise ValueError(f"{into.numel()} bytes of room for {total} bytes of rows")
-    view = tensor_view(into)
-
-    def read(lo: int, hi: int) -> None:
-        i = lo
-        while i < hi:
-            j = i
-            while (
-                j + 1 < hi
-                and parts[j + 1].file is parts[i].file
-                and parts[j + 1].offset == parts[j].offset + parts[j].nbytes
-            ):
-                j += 1
-            base = starts[i]
-            parts[i].file.read_checked(
-                view[base : starts[j + 1]],
-                parts[i].offset,
-                lambda at, chunk, base=base: on_chunk(base + at, chunk),
-            )
-            i = j + 1
-
-    cut = bisect.bisect_left(starts, total // 2, 1, len(parts))
-    if not parallel or total < PARALLEL_READ_BYTES or len(parts) < 2:
-        read(0, len(parts))
-        return
-    other = _reader().submit(read, cut, len(parts))
-    try:
-        read(0, cut)
-    finally:
-        other.result()
 
 
 class SpillArea:

@@ -26,21 +26,13 @@ segment), ``drop_before`` (sliding windows), and ``state`` / ``from_state`` for 
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import xxhash
 
-from kvchat.engine.kvdirect.disk_tier import (
-    DiskRows,
-    SpillArea,
-    read_rows,
-    read_rows_checked,
-    tensor_view,
-)
+from kvchat.engine.kvdirect.disk_tier import DiskRows, SpillArea, read_rows, tensor_view
 from kvchat.errors import StorageError
 
 MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
@@ -290,33 +282,19 @@ class RowStore:
             out.append(rows)
         return out
 
-    def read_into(self, pieces: list[Piece], dest: torch.Tensor, parallel: bool = True) -> None:
+    def read_into(self, pieces: list[Piece], dest: torch.Tensor) -> None:
         """Rows of ``pieces`` (consecutive K/V pieces of one width and dtype) into ``dest``,
         a flat uint8 CPU tensor of exactly their bytes, in position order: those on disk
-        read (``read_rows_checked``: one chunked read per run adjacent in a file, each chunk
-        added to its pieces' digests as it lands) and checked against their digests,
-        resident ones (a suffix, see the class) copied behind them. ``parallel``: see
-        ``read_rows_checked``."""
+        read (``read_rows``: one call per run adjacent in a file) and checked against their
+        digests, resident ones (a suffix, see the class) copied behind them."""
         first_resident = next(
             (i for i, p in enumerate(pieces) if p.resident is not None), len(pieces)
         )
         on_disk = pieces[:first_resident]
         size = sum(p.disk.nbytes for p in on_disk)
         if on_disk:
-            hashers = [xxhash.xxh3_64() for _ in on_disk]
-            starts = list(itertools.accumulate((p.disk.nbytes for p in on_disk), initial=0))
-
-            def digest(at: int, chunk: memoryview) -> None:
-                end = at + len(chunk)
-                i = bisect.bisect_right(starts, at) - 1
-                while i < len(on_disk) and starts[i] < end:
-                    lo, hi = max(at, starts[i]), min(end, starts[i + 1])
-                    hashers[i].update(chunk[lo - at : hi - at])
-                    i += 1
-
-            read_rows_checked([p.disk for p in on_disk], dest[:size], digest, parallel)
-            for p, hasher in zip(on_disk, hashers):
-                self._check(p, hasher.intdigest())
+            for p, rows in zip(on_disk, read_rows([p.disk for p in on_disk], "cpu", dest[:size])):
+                self._check(p, digest_of(rows))
         at = size
         for p in pieces[first_resident:]:
             if p.resident is None:
@@ -398,10 +376,8 @@ class RowStore:
                         dest.view(dtype).view(1, b - a, width).copy_(rows)
                 else:
                     part = sub_rows(piece.disk, a - piece.start, b - piece.start)
-                    add = hasher.update
-                    part.file.read_checked(
-                        tensor_view(dest), part.offset, lambda _, chunk, add=add: add(chunk)
-                    )
+                    part.file.read_into(tensor_view(dest), part.offset)
+                    hasher.update(tensor_view(dest))
                     if b == piece.end:
                         self._check(piece, hasher.intdigest())
                 if not visible:

@@ -99,36 +99,6 @@ def test_rows_read_in_place_are_checked(tmp_path):
     spill.close()
 
 
-@pytest.mark.parametrize("parallel", [True, False])
-@pytest.mark.parametrize("chunk", [40, 96, 1 << 20])
-def test_rows_checked_as_they_land_catch_a_change_in_any_piece(
-    tmp_path, monkeypatch, parallel, chunk
-):
-    """Each chunk is added to the digests of the pieces it holds as soon as it is read;
-    chunks that straddle pieces, and a read split over two threads, still check every piece
-    whole and name the one that changed."""
-    from kvchat.engine.kvdirect import disk_tier
-
-    monkeypatch.setattr(disk_tier, "CHECK_CHUNK_BYTES", chunk)
-    monkeypatch.setattr(disk_tier, "PARALLEL_READ_BYTES", 1)
-    sizes = (5, 3, 7, 4, 6)
-    store, spill, everything = mixed_store(tmp_path, sizes)
-    dest = torch.empty(everything.numel() * 4, dtype=torch.uint8)
-    store.read_into(store.pieces, dest, parallel)
-    assert torch.equal(dest.view(torch.float32).view(everything.shape), everything)
-    path = store.pieces[0].disk.file.path
-    clean = path.read_bytes()
-    for piece in store.pieces[:-1]:
-        data = bytearray(clean)
-        data[piece.disk.offset + piece.disk.nbytes - 1] ^= 0x01  # its last byte
-        path.write_bytes(bytes(data))
-        with pytest.raises(StorageError, match=f"rows {piece.start}-{piece.end}\\)"):
-            store.read_into(store.pieces, dest, parallel)
-    path.write_bytes(clean)
-    store.read_into(store.pieces, dest, parallel)
-    spill.close()
-
-
 @pytest.mark.parametrize("begin", [0, 2, 5, 9])
 @pytest.mark.parametrize("window", [1, 4, 6, 19])
 def test_windows_are_counted_from_begin_whatever_the_pieces(tmp_path, begin, window):
