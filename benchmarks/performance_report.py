@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# A verdict line: "same tokens: True", "the same 57 tokens: yes".
+SAME_TOKENS = re.compile(r"same (\d+ )?tokens:")
 
 INTRO = """# Performance
 
@@ -47,7 +50,8 @@ def kept_runs(results: Path) -> list[Path]:
 
 def printed_tables(log: Path) -> list[str]:
     """The markdown tables of a log, and its unindented lines that state a verdict
-    (``same tokens: True``); every line of a log that printed no table."""
+    (``same tokens: True``, ``the same 57 tokens: yes``); every line of a log that printed
+    no table."""
     if not log.is_file():
         return []
     out: list[str] = []
@@ -62,7 +66,7 @@ def printed_tables(log: Path) -> list[str]:
         if in_table:
             out.append("")
             in_table = False
-        if line and not line.startswith(" ") and "same tokens:" in line:
+        if line and not line.startswith(" ") and SAME_TOKENS.search(line):
             out.append(f"- {line.strip()}")
     if not any(line.startswith("|") for line in out):
         text = log.read_text("utf-8", errors="replace").strip().splitlines()
