@@ -92,7 +92,7 @@ class ChatSession:
             self.cache = StandardCache(loaded.model.config, loaded.footprint, settings.max_mem)
             self.forms = None
         elif settings.kind == "kvdirect":
-            from kvchat.engine.kvdirect.cache import HOT_RESERVE_ROWS, KVDirectCache
+            from kvchat.engine.kvdirect.cache import KVDirectCache
             from kvchat.engine.kvdirect.planner import Planner, choose_forms
 
             if forms is None and settings.max_mem is None and settings.hot_window is None:
@@ -105,8 +105,6 @@ class ChatSession:
             planner = Planner(footprint, forms, settings.max_mem, settings.prefill_chunk)
             self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window, planner)
             self.cache.spill_root = self.spill_root
-            if settings.max_mem is None:
-                self.cache.hot_reserve = HOT_RESERVE_ROWS
             self.cache.attach()
         else:
             raise KvchatError(f"unknown cache kind {settings.kind!r}; use kvdirect or standard")

@@ -62,7 +62,7 @@ from kvchat.engine.kvdirect.attention import route
 from kvchat.engine.kvdirect.cold_reader import ColdReader
 from kvchat.engine.kvdirect.disk_tier import DiskRows, RowFile, SpillArea
 from kvchat.engine.kvdirect.interface import CallLog
-from kvchat.engine.kvdirect.planner import READ_CHUNK_ROWS
+from kvchat.engine.kvdirect.planner import GROWTH_RESERVE_ROWS, READ_CHUNK_ROWS
 from kvchat.engine.kvdirect.scratch import ScratchBuffers
 from kvchat.engine.kvdirect.state_store import (
     MAX_PIECE_ROWS,
@@ -83,10 +83,8 @@ CHECKPOINT_FORMS = ("residual", "kv", "auto")
 # The same for sliding layers, whose pieces go as the window moves past their last row:
 # smaller pieces free their spill space sooner (a file then holds about one window).
 SLIDING_PIECE_ROWS = 32
-# Rows a growing hot window reserves ahead when the cache allows it (no ceiling: nothing
-# ever leaves): a decode step then copies one row instead of concatenating the whole window
-# into a fresh tensor, at every layer.
-HOT_RESERVE_ROWS = 64
+# Rows a growing hot window reserves ahead when the plan allows it (Plan.hot_reserve).
+HOT_RESERVE_ROWS = GROWTH_RESERVE_ROWS
 
 
 def _rows(
@@ -630,8 +628,8 @@ class KVDirectCache(Cache):
         self.plan: Plan | None = None  # the plan in force
         self.calls = CallLog()
         self.kv_window: int | None = None  # K/V-form layers (set under the disk tier)
-        # Rows each growing hot window may hold ahead (see HOT_RESERVE_ROWS). 0 keeps it
-        # compact, as under a ceiling, whose planner counts rows as they are.
+        # Rows each growing hot window may hold ahead (the plan's hot_reserve, which the
+        # planner counts; set by hand where there is no planner). 0 keeps it compact.
         self.hot_reserve = 0
         self.kv_reserve = 0  # the same for K/V-form windows under the disk tier (Plan)
         self.stats = CacheStats()
@@ -803,6 +801,10 @@ class KVDirectCache(Cache):
         self.hot_window = plan.hot_window
         self.kv_window = plan.kv_window
         self.kv_reserve = plan.kv_reserve
+        if plan.hot_reserve < self.hot_reserve:  # the ceiling no longer holds the reserve
+            for layer in self.layers:
+                layer.release_reserve()
+        self.hot_reserve = plan.hot_reserve
         self.checkpoint_budget = plan.checkpoint_budget
         self.enable_streaming(plan.stream_chunk)
         if not plan.disk_tier:

@@ -12,7 +12,9 @@ where sliding-window layers keep at most about one window of tokens, and R is th
 K/V-form window holds ahead for decode steps under the disk tier when attention gets whole
 K/V (``KV_STEP_RESERVE`` plus the step's row; 0 otherwise). In order:
 
-1. everything fits: nothing is evicted (K/V-form layers then hold what DynamicCache holds);
+1. everything fits: nothing is evicted (K/V-form layers then hold what DynamicCache holds),
+   and where the ceiling also holds ``GROWTH_RESERVE_ROWS`` more rows per layer, the hot
+   windows grow into that reserve (``Plan.hot_reserve``, counted) as with no ceiling;
 2. residual checkpoints fit but not every K/V: the residual layers' hot window B shrinks;
 3. the disk tier: K/V-form layers keep their last W tokens resident and the rest as K/V on
    disk; residual layers keep B hot and a budget of checkpoints resident, the rest on disk.
@@ -86,6 +88,7 @@ class Plan:
     kv_window: int | None = None  # K/V-form layers under the disk tier; None: all hot
     decode_stream_chunk: int | None = None  # rows per streamed chunk for one-token steps
     kv_reserve: int = 0  # rows a K/V-form hot window may hold beyond kv_window (counted)
+    hot_reserve: int = 0  # rows each growing hot window may hold ahead, all in memory (counted)
     estimate: StateEstimate | None = field(default=None, compare=False)
 
     @property
@@ -115,6 +118,10 @@ DECODE_HOT_ROWS = 4  # K/V rows a decode step keeps resident at least, before it
 # a decode step appends its row there and attention reads the window where it lies, instead
 # of the window being copied next to the cold rows and back out at every layer and step.
 KV_STEP_RESERVE = 16
+# Rows each hot window holds ahead while every token is kept (no ceiling, or one that holds
+# them all and these rows too): a decode step copies one row there instead of concatenating
+# the whole window into a fresh tensor, at every layer.
+GROWTH_RESERVE_ROWS = 64
 
 
 class Planner:
@@ -136,13 +143,18 @@ class Planner:
         self.kv = [x for x, f in zip(fp.layers, forms) if f == "kv"]
 
     def estimate(
-        self, n_tokens: int, hot_window: int | None, kv_window: int | None = None
+        self,
+        n_tokens: int,
+        hot_window: int | None,
+        kv_window: int | None = None,
+        reserve: int = 0,
     ) -> StateEstimate:
+        """``reserve``: rows each window that keeps every visible token holds ahead."""
         hot = ckpt = scratch = 0
         for layer in self.kv:
             visible = _visible(layer, n_tokens)
             w = visible if kv_window is None else min(kv_window, visible)
-            hot += w * layer.kv_bytes
+            hot += (w + (reserve if w == visible else 0)) * layer.kv_bytes
             if w < visible:
                 scratch = max(scratch, 2 * visible * layer.kv_bytes)
         for layer, _ in self.residual:
@@ -150,7 +162,7 @@ class Planner:
             kept = visible if not layer.is_sliding else min(n_tokens, visible + self.prefill_chunk)
             b = visible if hot_window is None else min(hot_window, visible)
             ckpt += kept * layer.residual_bytes
-            hot += b * layer.kv_bytes
+            hot += (b + (reserve if b == visible else 0)) * layer.kv_bytes
             if b < visible:
                 # recomputed cold K/V + the full K/V handed to attention
                 scratch = max(scratch, 2 * visible * layer.kv_bytes)
@@ -163,7 +175,7 @@ class Planner:
     def plan(self, n_tokens: int) -> Plan:
         """The plan for the next call, memoised per block of tokens (see module docstring)."""
         if self.ceiling is None:
-            return Plan()
+            return Plan(hot_reserve=GROWTH_RESERVE_ROWS)
         if self._memo is not None and self._memo[0] - PLAN_BLOCK < n_tokens <= self._memo[0]:
             return self._memo[1]
         block_end = -(-n_tokens // PLAN_BLOCK) * PLAN_BLOCK
@@ -177,9 +189,12 @@ class Planner:
     def plan_exact(self, n_tokens: int) -> Plan:
         """Hot windows, and the disk tier when the state does not fit in memory."""
         if self.ceiling is None:
-            return Plan()
+            return Plan(hot_reserve=GROWTH_RESERVE_ROWS)
         everything = self.estimate(n_tokens, None)
         if everything.total <= self.ceiling:
+            growing = self.estimate(n_tokens, None, reserve=GROWTH_RESERVE_ROWS)
+            if growing.total <= self.ceiling:
+                return Plan(hot_reserve=GROWTH_RESERVE_ROWS, estimate=growing)
             return Plan(estimate=everything)
         if self.residual:
             floor = self.estimate(n_tokens, 0)
@@ -263,7 +278,7 @@ class Planner:
             budget = max(0, room_res - hot(b, res))
         used = (hot(kv_window, kvs, kv_ahead) if kvs else 0) + (hot(b, res) if res else 0)
         estimate = StateEstimate(used, budget, scratch, fixed)
-        return Plan(b, budget, stream_chunk, kv_window, decode_chunk, kv_reserve, estimate)
+        return Plan(b, budget, stream_chunk, kv_window, decode_chunk, kv_reserve, estimate=estimate)
 
     def _stream_scratch(self, layer: LayerFootprint, rows: int, form: str = "residual") -> int:
         """Peak bytes of one streamed chunk of ``rows`` cold tokens: K/V rows are read into

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from kvchat.engine.chat.generate import forward, prefill
 from kvchat.engine.kvdirect.arch import ArchAdapter
 from kvchat.engine.kvdirect.cache import HOT_RESERVE_ROWS, KVDirectCache
+from kvchat.engine.kvdirect.footprint import footprint_from_config
 from kvchat.lab.tiny_models import FAMILIES
 from tests.engine.kvdirect.test_cache_exact import run_conversation, tiny_model
 from tests.engine.kvdirect.test_tiers import tiered_cache
@@ -67,6 +68,40 @@ def test_decode_steps_write_into_the_reserve_without_new_storage():
         for _ in range(HOT_RESERVE_ROWS):  # past the reserve: a bigger one, rows kept
             logits = forward(model, cache, [int(logits.argmax())], torch.device("cpu"))
         assert layer.hot_length == 40 + HOT_RESERVE_ROWS // 2 + HOT_RESERVE_ROWS
+    cache.close()
+
+
+def test_under_a_ceiling_that_holds_everything_decode_steps_use_the_reserve():
+    """A planner whose ceiling holds every token gives the windows their reserve: decode
+    steps write into it (no new storage), the state stays under the ceiling, and the
+    logits are the standard cache's. Once the ceiling no longer holds the reserve, the
+    windows are compact again."""
+    from kvchat.engine.kvdirect.planner import Planner
+
+    model = tiny_model("llama")
+    adapter = ArchAdapter(model)
+    fp = footprint_from_config(model.config, "float32")
+    forms = ["kv"] * adapter.num_layers
+    ids = list(range(5, 45))
+    per_row = sum(layer.kv_bytes for layer in fp.layers)
+    ceiling = (96 + HOT_RESERVE_ROWS) * per_row + 4096  # the reserve fits up to 96 tokens
+    cache = KVDirectCache(adapter, forms, None, Planner(fp, forms, ceiling, 16)).attach()
+    standard = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        ref = prefill(model, standard, ids, torch.device("cpu"), 16)
+        logits = prefill(model, cache, ids, torch.device("cpu"), 16)
+        assert torch.equal(logits, ref) and cache.hot_reserve == HOT_RESERVE_ROWS
+        layer = cache.layers[0]
+        storage = layer.keys.untyped_storage().data_ptr()
+        for step in range(70):
+            token = int(ref.argmax())
+            ref = forward(model, standard, [token], torch.device("cpu"))
+            logits = forward(model, cache, [token], torch.device("cpu"))
+            assert torch.equal(logits, ref), f"step {step}"
+            assert cache.resident_bytes() <= ceiling
+            if step < 8:
+                assert layer.keys.untyped_storage().data_ptr() == storage
+        assert cache.hot_reserve == 0 and layer.growth is None  # the reserve no longer fits
     cache.close()
 
 

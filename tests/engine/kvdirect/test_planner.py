@@ -9,7 +9,7 @@ from kvchat.engine.kvdirect.footprint import (
     config_from_dict,
     footprint_from_config,
 )
-from kvchat.engine.kvdirect.planner import Planner, choose_forms
+from kvchat.engine.kvdirect.planner import GROWTH_RESERVE_ROWS, Planner, choose_forms
 from kvchat.errors import NeedsDiskTierError
 from kvchat.units import parse_size
 
@@ -44,6 +44,25 @@ def smollm2_planner(ceiling, checkpoint="residual"):
 def test_no_eviction_while_everything_fits():
     planner, _ = smollm2_planner(64 * 2**20)
     assert planner.hot_window_for(100) is None
+
+
+def test_while_everything_fits_the_windows_grow_in_a_reserve_the_estimate_counts():
+    """Under a ceiling that holds every token, each hot window may hold GROWTH_RESERVE_ROWS
+    more (a decode step then writes its row there instead of concatenating the window),
+    counted in the estimate; where the reserve would not fit, the windows stay compact."""
+    planner, fp = smollm2_planner(64 * 2**20, checkpoint="kv")
+    plan = planner.plan_exact(100)
+    assert not plan.disk_tier and plan.hot_window is None
+    assert plan.hot_reserve == GROWTH_RESERVE_ROWS
+    per_row = sum(layer.kv_bytes for layer in fp.layers)
+    assert plan.estimate.hot_kv == (100 + GROWTH_RESERVE_ROWS) * per_row
+    assert plan.estimate.total <= 64 * 2**20
+    tight = planner.estimate(100, None).total + GROWTH_RESERVE_ROWS * per_row - 1
+    compact = smollm2_planner(tight, checkpoint="kv")[0].plan_exact(100)
+    assert not compact.disk_tier and compact.hot_reserve == 0
+    assert compact.estimate.hot_kv == 100 * per_row
+    assert smollm2_planner(None)[0].plan(100).hot_reserve == GROWTH_RESERVE_ROWS
+    assert planner.plan_exact(8192).hot_reserve == 0  # the disk tier: K/V windows' own reserve
 
 
 def test_hot_window_shrinks_as_the_conversation_grows_and_always_fits():
@@ -127,7 +146,8 @@ def test_kv_form_over_the_ceiling_moves_kv_to_disk():
     plan = planner.plan(2000)
     assert plan.disk_tier and plan.kv_window is not None and plan.hot_window is None
     roomy, _ = smollm2_planner(400 * 10**6, checkpoint="kv")
-    assert roomy.plan(2000) == type(plan)()  # everything fits: nothing leaves memory
+    # Everything fits: nothing leaves memory, and the windows grow in their reserve.
+    assert roomy.plan(2000) == type(plan)(hot_reserve=GROWTH_RESERVE_ROWS)
 
 
 def test_auto_picks_kv_for_gqa_and_residual_for_mha():
