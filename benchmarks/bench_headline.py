@@ -110,9 +110,8 @@ def measure_kvchat(args: argparse.Namespace) -> dict[str, Any]:
 
 def measure_pair(args: argparse.Namespace) -> dict[str, Any]:
     """The bounded pair in one process, taking turns (see the module docstring)."""
-    from kvchat.engine.chat.generate import generate
     from kvchat.engine.chat.session import ChatSession
-    from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+    from kvchat.engine.chat.settings import CacheSettings
     from kvchat.engine.models.load import load_with
     from kvchat.engine.models.settings import ModelSettings
 
@@ -126,22 +125,8 @@ def measure_pair(args: argparse.Namespace) -> dict[str, Any]:
     rates: dict[str, list[float]] = {name: [] for name in sessions}
 
     def reply(name: str, prompt: list[int], new_tokens: int) -> list[float]:
-        stamps: list[float] = []
-
-        def on_token(token: int) -> None:
-            stamps.append(time.perf_counter())
-            tokens[name].append(int(token))
-
-        generate(
-            loaded.model,
-            sessions[name].cache,
-            prompt,
-            device=loaded.device,
-            settings=SamplingSettings(max_new_tokens=new_tokens),
-            stop_ids=set(),
-            prefill_chunk=256,
-            on_token=on_token,
-        )
+        stamps, got = common.greedy_run(loaded, sessions[name].cache, prompt, new_tokens)
+        tokens[name].extend(got)
         return stamps
 
     for name in sessions:

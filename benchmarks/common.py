@@ -144,9 +144,11 @@ def alternating_timings(
     return ours_s, theirs_s
 
 
-def timed_reply(loaded: Any, session: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
-    """Exactly ``new_tokens`` greedy tokens after ``ids`` on ``session``'s cache (prefill in
-    chunks of 256, no stop ids): :func:`reply_figures` of it, with the tokens."""
+def greedy_run(
+    loaded: Any, cache: Any, ids: list[int], new_tokens: int
+) -> tuple[list[float], list[int]]:
+    """Exactly ``new_tokens`` greedy tokens after ``ids`` on ``cache`` (prefill in chunks of
+    256, no stop ids): when each token arrived (``time.perf_counter``), and the tokens."""
     from kvchat.engine.chat.generate import generate
     from kvchat.engine.chat.settings import SamplingSettings
 
@@ -157,10 +159,9 @@ def timed_reply(loaded: Any, session: Any, ids: list[int], new_tokens: int) -> d
         stamps.append(time.perf_counter())
         tokens.append(int(token))
 
-    t0 = time.perf_counter()
     generate(
         loaded.model,
-        session.cache,
+        cache,
         ids,
         device=loaded.device,
         settings=SamplingSettings(max_new_tokens=new_tokens),
@@ -168,6 +169,14 @@ def timed_reply(loaded: Any, session: Any, ids: list[int], new_tokens: int) -> d
         prefill_chunk=256,
         on_token=on_token,
     )
+    return stamps, tokens
+
+
+def timed_reply(loaded: Any, session: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
+    """:func:`greedy_run` on ``session``'s cache: :func:`reply_figures` of it, with the
+    tokens."""
+    t0 = time.perf_counter()
+    stamps, tokens = greedy_run(loaded, session.cache, ids, new_tokens)
     return reply_figures(len(ids), t0, stamps) | {"tokens": tokens}
 
 
