@@ -62,7 +62,7 @@ from kvchat.engine.kvdirect.attention import route
 from kvchat.engine.kvdirect.cold_reader import ColdReader
 from kvchat.engine.kvdirect.disk_tier import DiskRows, RowFile, SpillArea
 from kvchat.engine.kvdirect.interface import CallLog
-from kvchat.engine.kvdirect.planner import GROWTH_RESERVE_ROWS, READ_CHUNK_ROWS
+from kvchat.engine.kvdirect.planner import READ_CHUNK_ROWS
 from kvchat.engine.kvdirect.scratch import ScratchBuffers
 from kvchat.engine.kvdirect.state_store import (
     MAX_PIECE_ROWS,
@@ -83,8 +83,6 @@ CHECKPOINT_FORMS = ("residual", "kv", "auto")
 # The same for sliding layers, whose pieces go as the window moves past their last row:
 # smaller pieces free their spill space sooner (a file then holds about one window).
 SLIDING_PIECE_ROWS = 32
-# Rows a growing hot window reserves ahead when the plan allows it (Plan.hot_reserve).
-HOT_RESERVE_ROWS = GROWTH_RESERVE_ROWS
 
 
 def _rows(
@@ -180,7 +178,7 @@ class KVDirectLayer(CacheLayerMixin):
         # K/V-form rows already in a saved segment while still hot: (start, end, where).
         # When they leave the hot window they point there instead of being written again.
         self.saved_hot: list[tuple[int, int, DiskRows]] = []
-        # (keys, values) storage with room for HOT_RESERVE_ROWS more rows, of which
+        # (keys, values) storage with room for hot_reserve more rows, of which
         # self.keys / self.values are the leading views; None while the window is compact.
         self.growth: _Growth | None = None
 

@@ -16,8 +16,9 @@ from transformers import DynamicCache
 
 from kvchat.engine.chat.generate import forward, prefill
 from kvchat.engine.kvdirect.arch import ArchAdapter
-from kvchat.engine.kvdirect.cache import HOT_RESERVE_ROWS, KVDirectCache
+from kvchat.engine.kvdirect.cache import KVDirectCache
 from kvchat.engine.kvdirect.footprint import footprint_from_config
+from kvchat.engine.kvdirect.planner import GROWTH_RESERVE_ROWS, Planner
 from kvchat.lab.tiny_models import FAMILIES
 from tests.engine.kvdirect.test_cache_exact import run_conversation, tiny_model
 from tests.engine.kvdirect.test_tiers import tiered_cache
@@ -26,7 +27,7 @@ from tests.engine.kvdirect.test_tiers import tiered_cache
 def growing_cache(model) -> KVDirectCache:
     adapter = ArchAdapter(model)
     cache = KVDirectCache(adapter, ["kv"] * adapter.num_layers)
-    cache.hot_reserve = HOT_RESERVE_ROWS
+    cache.hot_reserve = GROWTH_RESERVE_ROWS
     return cache.attach()
 
 
@@ -61,13 +62,13 @@ def test_decode_steps_write_into_the_reserve_without_new_storage():
         logits = prefill(model, cache, list(range(5, 45)), torch.device("cpu"), 16)
         layer = cache.layers[0]
         storage = layer.keys.untyped_storage().data_ptr()
-        for _ in range(HOT_RESERVE_ROWS // 2):
+        for _ in range(GROWTH_RESERVE_ROWS // 2):
             logits = forward(model, cache, [int(logits.argmax())], torch.device("cpu"))
             assert layer.keys.untyped_storage().data_ptr() == storage
-        assert layer.hot_length == 40 + HOT_RESERVE_ROWS // 2
-        for _ in range(HOT_RESERVE_ROWS):  # past the reserve: a bigger one, rows kept
+        assert layer.hot_length == 40 + GROWTH_RESERVE_ROWS // 2
+        for _ in range(GROWTH_RESERVE_ROWS):  # past the reserve: a bigger one, rows kept
             logits = forward(model, cache, [int(logits.argmax())], torch.device("cpu"))
-        assert layer.hot_length == 40 + HOT_RESERVE_ROWS // 2 + HOT_RESERVE_ROWS
+        assert layer.hot_length == 40 + GROWTH_RESERVE_ROWS // 2 + GROWTH_RESERVE_ROWS
     cache.close()
 
 
@@ -76,21 +77,19 @@ def test_under_a_ceiling_that_holds_everything_decode_steps_use_the_reserve():
     steps write into it (no new storage), the state stays under the ceiling, and the
     logits are the standard cache's. Once the ceiling no longer holds the reserve, the
     windows are compact again."""
-    from kvchat.engine.kvdirect.planner import Planner
-
     model = tiny_model("llama")
     adapter = ArchAdapter(model)
     fp = footprint_from_config(model.config, "float32")
     forms = ["kv"] * adapter.num_layers
     ids = list(range(5, 45))
     per_row = sum(layer.kv_bytes for layer in fp.layers)
-    ceiling = (96 + HOT_RESERVE_ROWS) * per_row + 4096  # the reserve fits up to 96 tokens
+    ceiling = (96 + GROWTH_RESERVE_ROWS) * per_row + 4096  # the reserve fits up to 96 tokens
     cache = KVDirectCache(adapter, forms, None, Planner(fp, forms, ceiling, 16)).attach()
     standard = DynamicCache(config=model.config)
     with torch.inference_mode():
         ref = prefill(model, standard, ids, torch.device("cpu"), 16)
         logits = prefill(model, cache, ids, torch.device("cpu"), 16)
-        assert torch.equal(logits, ref) and cache.hot_reserve == HOT_RESERVE_ROWS
+        assert torch.equal(logits, ref) and cache.hot_reserve == GROWTH_RESERVE_ROWS
         layer = cache.layers[0]
         storage = layer.keys.untyped_storage().data_ptr()
         for step in range(70):
@@ -120,13 +119,13 @@ def test_a_sliding_layer_moves_through_its_reserve_past_the_window():
         layer = cache.layers[0]
         assert layer.is_sliding and layer.hot_length == window - 1
         storage = layer.keys.untyped_storage().data_ptr()
-        for step in range(HOT_RESERVE_ROWS + 8):
+        for step in range(GROWTH_RESERVE_ROWS + 8):
             token = int(ref.argmax())
             ref = forward(model, standard, [token], torch.device("cpu"))
             logits = forward(model, cache, [token], torch.device("cpu"))
             assert torch.equal(logits, ref), f"step {step}"
             assert layer.hot_length == window - 1
-            if step < HOT_RESERVE_ROWS // 2:
+            if step < GROWTH_RESERVE_ROWS // 2:
                 assert layer.keys.untyped_storage().data_ptr() == storage, f"step {step}"
         for mine, theirs in zip(cache.layers, standard.layers):
             assert torch.equal(mine.keys, theirs.keys[..., -mine.hot_length :, :])
