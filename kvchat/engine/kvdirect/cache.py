@@ -800,8 +800,7 @@ class KVDirectCache(Cache):
         self.kv_window = plan.kv_window
         self.kv_reserve = plan.kv_reserve
         if plan.hot_reserve < self.hot_reserve:  # the ceiling no longer holds the reserve
-            for layer in self.layers:
-                layer.release_reserve()
+            self.release_reserve()
         self.hot_reserve = plan.hot_reserve
         self.checkpoint_budget = plan.checkpoint_budget
         self.enable_streaming(plan.stream_chunk)

@@ -175,7 +175,7 @@ class Planner:
     def plan(self, n_tokens: int) -> Plan:
         """The plan for the next call, memoised per block of tokens (see module docstring)."""
         if self.ceiling is None:
-            return Plan(hot_reserve=GROWTH_RESERVE_ROWS)
+            return self.plan_exact(n_tokens)
         if self._memo is not None and self._memo[0] - PLAN_BLOCK < n_tokens <= self._memo[0]:
             return self._memo[1]
         block_end = -(-n_tokens // PLAN_BLOCK) * PLAN_BLOCK

@@ -39,6 +39,7 @@ REPLY = SamplingSettings(max_new_tokens=40)
 
 
 ROWS: list[int] = []  # rows of every forward call of the last converse()
+RESERVES: list[int] = []  # the cache's growth reserve at every forward call of the last one
 
 
 def converse(loaded, cache: CacheSettings, tmp_path: Path, monkeypatch, prompts=PROMPTS):
@@ -46,11 +47,13 @@ def converse(loaded, cache: CacheSettings, tmp_path: Path, monkeypatch, prompts=
     seen: list[torch.Tensor] = []
     original = generate_module.forward_ids
     ROWS.clear()
+    RESERVES.clear()
 
     def recording(model, cache, input_ids, *args, **kwargs):
         logits = original(model, cache, input_ids, *args, **kwargs)
         seen.append(logits.detach().clone())
         ROWS.append(input_ids.shape[1])
+        RESERVES.append(getattr(cache, "hot_reserve", 0))
         return logits
 
     monkeypatch.setattr(generate_module, "forward_ids", recording)
@@ -107,6 +110,27 @@ def test_default_model_quantized_every_ceiling(smollm2_quantized, tmp_path, monk
     assert_every_ceiling_exact(
         smollm2_quantized, [4_000_000, 2_000_000, 1_000_000, 8_000_000], tmp_path, monkeypatch
     )
+
+
+def test_ceilings_that_hold_the_chat_with_and_without_the_reserve(
+    smollm2_quantized, tmp_path, monkeypatch
+):
+    """Ceilings that hold every token: 64 MB keeps the windows' growth reserve through the
+    chat; 34 MB drops it mid-chat (the reserve no longer fits, then the disk tier may
+    follow). Every forward call's logits equal the unbounded run's, its rows too."""
+    _, unbounded, rows = reference(smollm2_quantized, "kvdirect", tmp_path, monkeypatch)
+    standard, _, _ = reference(smollm2_quantized, "standard", tmp_path, monkeypatch)
+    reserves = {}
+    for ceiling in (64_000_000, 34_000_000):
+        tokens, logits, plan = converse(
+            smollm2_quantized, CacheSettings(max_mem=ceiling), tmp_path / str(ceiling), monkeypatch
+        )
+        reserves[ceiling] = list(RESERVES)
+        assert ROWS == rows and tokens == standard, f"{ceiling} B ({plan})"
+        for i, (a, b) in enumerate(zip(logits, unbounded)):
+            assert torch.equal(a, b), f"{ceiling} B ({plan}): forward call {i} differs"
+    assert all(r > 0 for r in reserves[64_000_000])
+    assert reserves[34_000_000][0] > 0 and reserves[34_000_000][-1] == 0
 
 
 def test_the_checkpoint_form_changes_no_bit(smollm2_quantized, tmp_path, monkeypatch):
