@@ -299,23 +299,83 @@ static inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_mask_blend_ps(under, out, _mm512_setzero_ps());
 }
 
-/* The dot products of PARTS partial sums and their tree, lane by lane: lanes[c + i] holds
- * element c + i of each lane's vector, other[c + i] the element it is multiplied by. */
-static inline __m512 dot16(const float *lanes, const float *other, int64_t dim, int other_is_lanes) {
-  __m512 part[PARTS];
-  for (int i = 0; i < PARTS; i++) part[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < dim; c += PARTS) {
-    const int64_t width = dim - c < PARTS ? dim - c : PARTS;
-    for (int64_t i = 0; i < width; i++) {
-      __m512 a = _mm512_loadu_ps(lanes + (c + i) * LANES);
-      __m512 b = other_is_lanes ? _mm512_loadu_ps(other + (c + i) * LANES)
-                                : _mm512_set1_ps(other[c + i]);
-      part[i] = _mm512_fmadd_ps(a, b, part[i]);
+/* Up to KEYS keys' dot products with the tile's LANES query rows (qt[e * LANES + t]: element
+ * e of row t), each the portable code's: PARTS partial sums (element e to sum e % PARTS, in
+ * order of e), then the fixed tree. The tree is walked depth first, a quarter of the sums at
+ * a time ({0, 8, 4, 12} makes ((p0 + p8) + (p4 + p12)), the tree's b0; then b2, b1, b3; then
+ * (b0 + b2) + (b1 + b3)): the same additions in the same order, with few sums live at once,
+ * so that the keys share every load of the rows' elements. */
+#define KEYS 4
+static inline void dot16_keys(const float *qt, const float *const *krow, int nk, int64_t dim,
+                              __m512 *s) {
+  static const int quarter[4][4] = {{0, 8, 4, 12}, {2, 10, 6, 14}, {1, 9, 5, 13}, {3, 11, 7, 15}};
+  __m512 half[2][KEYS], first_b[KEYS];
+  for (int h = 0; h < 2; h++) {
+    for (int qd = 0; qd < 2; qd++) {
+      const int *leaf = quarter[2 * h + qd];
+      __m512 p[4][KEYS];
+      for (int u = 0; u < 4; u++)
+        for (int key = 0; key < KEYS; key++) p[u][key] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < dim; c += PARTS) {
+        const int64_t width = dim - c < PARTS ? dim - c : PARTS;
+        for (int u = 0; u < 4; u++) {
+          const int64_t i = leaf[u];
+          if (i >= width) continue;
+          const __m512 a = _mm512_loadu_ps(qt + (c + i) * LANES);
+          for (int key = 0; key < KEYS; key++)
+            if (key < nk) p[u][key] = _mm512_fmadd_ps(a, _mm512_set1_ps(krow[key][c + i]), p[u][key]);
+        }
+      }
+      for (int key = 0; key < KEYS; key++) {
+        const __m512 b = _mm512_add_ps(_mm512_add_ps(p[0][key], p[1][key]),
+                                       _mm512_add_ps(p[2][key], p[3][key]));
+        if (qd == 0) first_b[key] = b;
+        else half[h][key] = _mm512_add_ps(first_b[key], b);
+      }
     }
   }
-  for (int width = PARTS / 2; width >= 1; width /= 2)
-    for (int i = 0; i < width; i++) part[i] = _mm512_add_ps(part[i], part[i + width]);
-  return part[0];
+  for (int key = 0; key < KEYS; key++) s[key] = _mm512_add_ps(half[0][key], half[1][key]);
+}
+
+/* dot16_keys for exactly KEYS keys and a dim of whole PARTS blocks (the common case):
+ * the same operations, with every loop bound known, so that nothing but the multiply-adds
+ * and their loads is left in the inner loop. */
+static inline void dot16_keys_full(const float *qt, const float *const *krow, int64_t dim,
+                                   __m512 *s) {
+  static const int quarter[4][4] = {{0, 8, 4, 12}, {2, 10, 6, 14}, {1, 9, 5, 13}, {3, 11, 7, 15}};
+  const float *k0 = krow[0], *k1 = krow[1], *k2 = krow[2], *k3 = krow[3];
+  __m512 half[2][KEYS], first_b[KEYS];
+  for (int h = 0; h < 2; h++) {
+    for (int qd = 0; qd < 2; qd++) {
+      const int *leaf = quarter[2 * h + qd];
+      __m512 p[4][KEYS];
+      for (int u = 0; u < 4; u++)
+        for (int key = 0; key < KEYS; key++) p[u][key] = _mm512_setzero_ps();
+      const float *q = qt, *a0 = k0, *a1 = k1, *a2 = k2, *a3 = k3;
+      for (int64_t c = 0; c < dim; c += PARTS) {
+        for (int u = 0; u < 4; u++) {
+          const int i = leaf[u];
+          const __m512 a = _mm512_loadu_ps(q + i * LANES);
+          p[u][0] = _mm512_fmadd_ps(a, _mm512_set1_ps(a0[i]), p[u][0]);
+          p[u][1] = _mm512_fmadd_ps(a, _mm512_set1_ps(a1[i]), p[u][1]);
+          p[u][2] = _mm512_fmadd_ps(a, _mm512_set1_ps(a2[i]), p[u][2]);
+          p[u][3] = _mm512_fmadd_ps(a, _mm512_set1_ps(a3[i]), p[u][3]);
+        }
+        q += PARTS * LANES;
+        a0 += PARTS;
+        a1 += PARTS;
+        a2 += PARTS;
+        a3 += PARTS;
+      }
+      for (int key = 0; key < KEYS; key++) {
+        const __m512 b = _mm512_add_ps(_mm512_add_ps(p[0][key], p[1][key]),
+                                       _mm512_add_ps(p[2][key], p[3][key]));
+        if (qd == 0) first_b[key] = b;
+        else half[h][key] = _mm512_add_ps(first_b[key], b);
+      }
+    }
+  }
+  for (int key = 0; key < KEYS; key++) s[key] = _mm512_add_ps(half[0][key], half[1][key]);
 }
 
 static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
@@ -335,45 +395,61 @@ static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
     if (live && pos[t] > max_pos) max_pos = pos[t];
     if (live && pos[t] < min_pos) min_pos = pos[t];
   }
+  const __mmask16 live = (__mmask16)((1u << lanes) - 1);
   for (int t = 0; t < LANES; t++) buf[t] = t < lanes ? job->m[row0 + t] : -INFINITY;
   __m512 m = _mm512_loadu_ps(buf);
   for (int t = 0; t < LANES; t++) buf[t] = t < lanes ? job->l[row0 + t] : 0.0f;
   __m512 l = _mm512_loadu_ps(buf);
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
-  /* Keys in groups of GROUP: each key's max, weights and rescale are worked out in order,
-   * then one pass over the accumulators applies them key after key (rescale, then add),
-   * the order a key-at-a-time loop would take, with a quarter of the loads and stores. */
-  enum { GROUP = 4 };
+  /* Keys in groups of GROUP: the group's scores are taken together (dot16_keys), then each
+   * key's max, weights and rescale are worked out in order, then one pass over the
+   * accumulators applies them key after key (rescale, then add): the order a key-at-a-time
+   * loop would take, with a fraction of the loads and stores. */
+  enum { GROUP = 2 * KEYS };
   float kbuf[GROUP][dim], vbuf[GROUP][dim];
-  const float *vrow[GROUP];
+  const float *krow[GROUP], *vrow[GROUP];
+  int64_t kpos[GROUP];
   int64_t j = 0;
-  while (j < job->n_keys) {
-    __m512 pg[GROUP], ag[GROUP];
-    __mmask16 cg[GROUP];
+  int stop = 0;
+  while (j < job->n_keys && !stop) {
     int count = 0;
-    int stop = 0;
     for (; count < GROUP && j < job->n_keys; j++) {
       const int64_t kp = job->key_pos0 + j;
-      if (kp > max_pos) {
+      if (kp > max_pos) { /* keys come in position order: none later is visible */
         stop = 1;
         break;
       }
       if (window > 0 && kp <= min_pos - window) continue;
       const int64_t k_at = kv_head * job->k_head_stride + j * job->k_row_stride;
       const int64_t v_at = kv_head * job->v_head_stride + j * job->v_row_stride;
-      const float *krow;
       if (job->dtype == 0) {
-        krow = (const float *)job->k + k_at;
+        krow[count] = (const float *)job->k + k_at;
         vrow[count] = (const float *)job->v + v_at;
       } else {
         load_row(job->k, job->dtype, k_at, dim, kbuf[count]);
         load_row(job->v, job->dtype, v_at, dim, vbuf[count]);
-        krow = kbuf[count];
+        krow[count] = kbuf[count];
         vrow[count] = vbuf[count];
       }
-      __m512 s = dot16(qt, krow, dim, 0);
+      kpos[count] = kp;
+      count++;
+    }
+    __m512 sg[GROUP], pg[GROUP], ag[GROUP];
+    __mmask16 cg[GROUP];
+    for (int g = 0; g < count; g += KEYS) {
+      if (count - g >= KEYS && dim % PARTS == 0)
+        dot16_keys_full(qt, krow + g, dim, sg + g);
+      else
+        dot16_keys(qt, krow + g, count - g < KEYS ? count - g : KEYS, dim, sg + g);
+    }
+    for (int g = 0; g < count; g++) {
+      const __m512 s = sg[g];
       __mmask16 visible = 0;
-      for (int t = 0; t < LANES; t++) visible |= (__mmask16)(is_visible(kp, pos[t], window) << t);
+      if (kpos[g] <= min_pos && (window <= 0 || kpos[g] > max_pos - window))
+        visible = live;
+      else
+        for (int t = 0; t < LANES; t++)
+          visible |= (__mmask16)(is_visible(kpos[g], pos[t], window) << t);
       __m512 mx = _mm512_max_ps(_mm512_mask_blend_ps(visible, minus_inf, s), m);
       __mmask16 changed = _mm512_cmp_ps_mask(mx, m, _CMP_NEQ_UQ);
       __m512 p = _mm512_maskz_mov_ps(
@@ -386,10 +462,20 @@ static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
       }
       l = _mm512_add_ps(l, p);
       m = mx;
-      pg[count] = p;
-      ag[count] = alpha;
-      cg[count] = changed;
-      count++;
+      pg[g] = p;
+      ag[g] = alpha;
+      cg[g] = changed;
+    }
+    __mmask16 rescaled = 0;
+    for (int g = 0; g < count; g++) rescaled |= cg[g];
+    if (count == GROUP && !rescaled) {
+      for (int64_t e = 0; e < dim; e++) {
+        __m512 a = _mm512_loadu_ps(acc + e * LANES);
+        for (int g = 0; g < GROUP; g++)
+          a = _mm512_fmadd_ps(pg[g], _mm512_set1_ps(vrow[g][e]), a);
+        _mm512_storeu_ps(acc + e * LANES, a);
+      }
+      continue;
     }
     for (int64_t e = 0; e < dim; e++) {
       __m512 a = _mm512_loadu_ps(acc + e * LANES);
@@ -399,7 +485,6 @@ static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
       }
       _mm512_storeu_ps(acc + e * LANES, a);
     }
-    if (stop) break;
   }
   float ms[LANES], ls[LANES];
   _mm512_storeu_ps(ms, m);

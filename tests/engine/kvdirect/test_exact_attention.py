@@ -153,6 +153,8 @@ def test_every_build_gives_the_portable_builds_bits(tmp_path, build):
         (3, 3, 64, 37, 500, None, torch.float32),  # rows in lanes, with a partial tile
         (2, 4, 40, 40, 300, None, torch.float32),  # rows in lanes over a partial dim block
         (3, 3, 64, 200, 300, 64, torch.bfloat16),  # sliding window, bf16 K/V
+        (1, 4, 256, 24, 400, None, torch.float32),  # Gemma's head dim, rows in lanes
+        (2, 2, 128, 64, 900, 300, torch.float32),  # keys entering and leaving windows
     ]:
         query, key, value = tensors(kv_heads, groups, dim, q_len, past, dtype, 11)
         n = key.shape[-2]
