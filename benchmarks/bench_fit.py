@@ -11,11 +11,16 @@ fetches), then runs each row in a fresh process: load, one ~600-token prompt of 
 * ``default, --max-mem 64MB``: the same under the headline ceiling;
 * ``--weights none``: the checkpoint as it is, bf16 (the baseline measured in this run).
 
+With ``--repeats N`` the ``default`` and ``--weights none`` rows run N times each, taking
+turns (the order swapping every repeat), and each row shows its median; decode against the
+baseline is then the median of the N paired ratios, since a single run of each moved this
+ratio by a fifth between runs on this shared machine.
+
 Printed per row: weights resident, RSS after the reply, peak RSS (``VmHWM``, loading
 included), load seconds, prefill and decode tok/s, and the targets' ratios: RSS against the
 checkpoint's bytes, peak against final RSS, decode against the ``--weights none`` row.
 
-Run from the repository root: ``python benchmarks/bench_fit.py
+Run from the repository root: ``python benchmarks/bench_fit.py [--repeats 3]
 [--json docs/results/bench_fit/run.json] [--dir /var/tmp/kvchat-gemma-3-4b-bf16]``.
 About 15 minutes on 2 cores, 8 GB of disk for the checkpoint and 3 GB for its small form.
 """
@@ -26,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,11 +134,36 @@ def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def order_of_runs(repeats: int) -> list[str]:
+    """The first start, then the default and the baseline taking turns (the order swapping
+    every repeat, so drift in the machine's speed falls on both), then the bounded row."""
+    order = ["default, first start"]
+    for i in range(repeats):
+        pair = ["default", BASELINE]
+        order += pair if i % 2 == 0 else pair[::-1]
+    return [*order, "default, --max-mem 64MB"]
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row's runs as one: the median of each number (the first run's tokens; every run
+    of a row must give the same ones)."""
+    if len(runs) == 1:
+        return runs[0]
+    if any(r["tokens"] != runs[0]["tokens"] for r in runs):
+        raise RuntimeError("the repeats of one row gave different tokens")
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default="/var/tmp/kvchat-gemma-3-4b-bf16")
     parser.add_argument("--prompt-tokens", type=int, default=600)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", default="results/bench_fit.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--ids-file", help=argparse.SUPPRESS)
@@ -150,11 +181,13 @@ def main() -> None:
     args.cache = tempfile.mkdtemp(prefix="kvchat-fit-cache-", dir=directory.parent)
     checkpoint_bytes = (directory / "model.safetensors").stat().st_size
     args.ids_file = common.story_prompt_file(args.dir, args.prompt_tokens, args.json)
-    results: dict[str, Any] = {}
-    for name in ROWS:
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
+    for name in order_of_runs(max(1, args.repeats)):
         harness.say(f"running: {name}")
-        results[name] = run_row(name, args)
-        harness.say(f"  {json.dumps({k: v for k, v in results[name].items() if k != 'tokens'})}")
+        runs[name].append(run_row(name, args))
+        harness.say(f"  {json.dumps({k: v for k, v in runs[name][-1].items() if k != 'tokens'})}")
+    results = {name: median_run(r) for name, r in runs.items()}
+    paired = [d["decode_tps"] / n["decode_tps"] for d, n in zip(runs["default"], runs[BASELINE])]
     base = results[BASELINE]
     rows = []
     for name, r in results.items():
@@ -166,8 +199,14 @@ def main() -> None:
             f"{r['peak_rss_bytes'] / r['rss_bytes']:.2f}x",
             f"{r['decode_tps'] / base['decode_tps']:.2f}x",
         ])  # fmt: skip
+    if len(paired) > 1:
+        rows[list(results).index("default")][-1] = f"{statistics.median(paired):.2f}x"
     print(f"checkpoint: {harness.human_bytes(checkpoint_bytes)} of bf16 safetensors; prompt "
           f"{base['prompt_tokens']} tokens, {args.new_tokens} greedy tokens")  # fmt: skip
+    if len(paired) > 1:
+        print(f"default and --weights none ran {len(paired)} times each, taking turns; each row "
+              "shows its median, and the default's decode / none is the median of the paired "
+              f"ratios ({', '.join(f'{x:.2f}' for x in paired)})")  # fmt: skip
     print(
         harness.markdown_table(
             [
@@ -194,8 +233,9 @@ def main() -> None:
     harness.save_run(
         args.json,
         "bench_fit",
-        {"checkpoint_bytes": checkpoint_bytes, "results": results,
-         "bounded_same_tokens": same, "bounded_decode_ratio": bounded},
+        {"checkpoint_bytes": checkpoint_bytes, "results": results, "runs": runs,
+         "paired_decode_ratios": paired, "bounded_same_tokens": same,
+         "bounded_decode_ratio": bounded},
         env,
         wall(),
     )  # fmt: skip
