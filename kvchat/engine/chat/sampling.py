@@ -23,7 +23,7 @@ def next_token(
 ) -> int:
     """``logits``: [vocab] for the last position."""
     if settings.greedy:
-        return int(torch.argmax(logits).item())
+        return greedy_choice(logits)
     # Sampling runs on CPU in fp32 so a seed gives the same draw on every device.
     probs = torch.softmax(logits.float().cpu() / settings.temperature, dim=-1)
     if settings.top_p < 1.0:
@@ -34,3 +34,16 @@ def next_token(
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def greedy_choice(logits: torch.Tensor) -> int:
+    """``torch.argmax``'s index of ``logits`` ([vocab]): the first of tied maxima, a NaN
+    above every number. On the CPU it is NumPy's argmax, which picks the same index: torch's
+    CPU argmax over a vocabulary costs a real share of a small model's decode step, NumPy's
+    a small fraction of that (``benchmarks/bench_decode_step.py``)."""
+    if logits.device.type == "cpu" and logits.dim() == 1:
+        values = logits.detach()
+        if values.dtype != torch.float32:
+            values = values.float()  # NumPy has no bf16; widening keeps every value
+        return int(values.numpy().argmax())
+    return int(torch.argmax(logits).item())
