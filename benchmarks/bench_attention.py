@@ -9,7 +9,12 @@ repeated for its groups, as transformers hands them over. Both run in this proce
 same thread count, interleaved; ratio = SDPA's time / the kernel's (above 1: the kernel is
 faster). The line ``kernel build:`` says which code the CPU runs (AVX-512, AVX2 or plain C).
 
-Run from the repository root: ``python benchmarks/bench_attention.py [--repeats 5]``.
+``--against REV`` also builds the kernel as it was at git revision REV (same flags; a
+revision with the same C interface) and times the two on the same tensors, interleaved,
+checking they give the same bits: what a change to the kernel bought, rerunnable.
+
+Run from the repository root: ``python benchmarks/bench_attention.py [--repeats 5]
+[--against REV]``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -52,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="docs/results/bench_attention/run.json")
+    parser.add_argument("--against", help="a git revision whose kernel to time beside this one")
     args = parser.parse_args()
     if not available():
         sys.exit("kvchat's attention kernel is not built here (no C compiler?): nothing to compare")
@@ -87,7 +94,73 @@ def main() -> None:
                 )  # fmt: skip
                 print(f"| {name} | {q_len} | {n} | {k_ms:.2f} | {s_ms:.2f} | {ratio:.2f} |")
     fields = {"args": vars(args), "kernel_build": kernel_build(), "rows": rows}
+    if args.against:
+        fields["against"] = against(args.against, args.repeats)
     harness.save_run(args.out, "bench_attention", fields, env, wall())
+
+
+def kernel_at(revision: str, directory: Path) -> Any:
+    """The attention kernel's source at ``revision``, built with this build's flags."""
+    import subprocess
+
+    from kvchat.engine.kvdirect.exact_attention import compile_kernel, compiler, load_kernel
+
+    source = directory / "exact_attention.c"
+    text = subprocess.run(
+        ["git", "show", f"{revision}:kvchat/engine/kvdirect/exact_attention.c"],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    source.write_text(text)
+    target = directory / "then.so"
+    if not compile_kernel(compiler(), target, source=source):
+        sys.exit(f"the kernel at {revision} does not build here")
+    return load_kernel(target)
+
+
+def against(revision: str, repeats: int) -> list[dict[str, Any]]:
+    """This kernel against the one at ``revision``: the same calls, interleaved, and the
+    same bits required."""
+    import tempfile
+
+    import torch
+
+    from kvchat.engine.kvdirect.exact_attention import AttentionState
+
+    def call(kernel: Any, query: Any, key: Any, value: Any, scale: float) -> Any:
+        state = AttentionState(query, scale, key.shape[-2] - query.shape[-2], kernel=kernel)
+        state.fold(key, value, 0)
+        return state.finish()
+
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        then = kernel_at(revision, Path(directory))
+        print(f"\nagainst the kernel at {revision}:")
+        print("| shape | query rows | keys | kernel ms | then ms | speedup | same bits |")
+        print("|---|---|---|---|---|---|---|")
+        for name, (heads, kv_heads, dim) in SHAPES.items():
+            for q_len in (1, 256):
+                for n in (1024, 4096):
+                    g = torch.Generator().manual_seed(0)
+                    query = torch.randn(1, heads, q_len, dim, generator=g)
+                    key = torch.randn(1, kv_heads, n, dim, generator=g)
+                    value = torch.randn(1, kv_heads, n, dim, generator=g)
+                    scale = dim**-0.5
+                    now_call = functools.partial(call, None, query, key, value, scale)
+                    then_call = functools.partial(call, then, query, key, value, scale)
+                    same = bool(torch.equal(now_call(), then_call()))
+                    calls = 20 if q_len == 1 else 3
+                    now_s, then_s = common.alternating_timings(now_call, then_call, repeats, calls)
+                    k_ms, t_ms = harness.median(now_s) * 1e3, harness.median(then_s) * 1e3
+                    ratio = harness.median_ratio(then_s, now_s)
+                    rows.append(
+                        {"shape": name, "q_len": q_len, "keys": n, "kernel_ms": k_ms,
+                         "then_ms": t_ms, "speedup": ratio, "same_bits": same}
+                    )  # fmt: skip
+                    print(
+                        f"| {name} | {q_len} | {n} | {k_ms:.2f} | {t_ms:.2f} | {ratio:.2f} "
+                        f"| {'yes' if same else 'NO'} |"
+                    )
+    return rows
 
 
 if __name__ == "__main__":

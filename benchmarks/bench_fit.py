@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -154,7 +153,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(runs[0])
     for key, value in runs[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = statistics.median(r[key] for r in runs)
+            out[key] = harness.median(r[key] for r in runs)
     return out
 
 
@@ -200,7 +199,7 @@ def main() -> None:
             f"{r['decode_tps'] / base['decode_tps']:.2f}x",
         ])  # fmt: skip
     if len(paired) > 1:
-        rows[list(results).index("default")][-1] = f"{statistics.median(paired):.2f}x"
+        rows[list(results).index("default")][-1] = f"{harness.median(paired):.2f}x"
     print(f"checkpoint: {harness.human_bytes(checkpoint_bytes)} of bf16 safetensors; prompt "
           f"{base['prompt_tokens']} tokens, {args.new_tokens} greedy tokens")  # fmt: skip
     if len(paired) > 1:
