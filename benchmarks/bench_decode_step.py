@@ -36,9 +36,9 @@ NATIVE = "decode step, C++ layers (quantized default)"
 ROWS = (MODEL_PATH, EXACT, NATIVE)
 KINDS = {
     # The C++ halves' own time is mostly kvchat's int4 kernel, which they call directly (their
-    # norms and other ATen ops are counted as those ops). kvchat's int4 kernel called from
-    # Python (a quantized head, say) goes through ctypes, which the profiler does not see: it
-    # lands in "between ops".
+    # norms and other ATen ops are counted as those ops). kvchat's kernels called from Python
+    # (its attention kernel; the int4 kernel for a quantized head) go through ctypes, which
+    # the profiler does not see: they land in "between ops".
     "kvchat_native": "C++ layers' own time (their int4 multiplies)",
     "_weight_int4pack_mm": "int4 kernels (torch's)",
     "_weight_int8pack_mm": "int8 kernels (head)",
@@ -135,7 +135,8 @@ def main() -> None:
             kind = next((k for key, k in KINDS.items() if key in event.key), "other ops")
             totals[kind] += event.self_cpu_time_total / 1000 / steps
         step_ms = (stamps[-1] - stamps[0]) / steps * 1000
-        totals["between ops (Python)"] = step_ms - sum(totals.values())
+        between = "between ops (Python, and kvchat's attention kernel through ctypes)"
+        totals[between] = step_ms - sum(totals.values())
         totals["whole step, profiled"] = step_ms
         print(f"\nwhere a step's time goes (torch profiler, {steps} steps, ms per step):\n")
         print(
