@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,21 @@ def kernel_build() -> str:
     return "plain C"
 
 
+def cases() -> Iterator[tuple[str, int, int, Any, Any, Any]]:
+    """(shape, query rows, keys, query, key, value) for every row of the tables: seeded
+    float32 tensors, the K/V heads as many as the shape has."""
+    import torch
+
+    for name, (heads, kv_heads, dim) in SHAPES.items():
+        for q_len in (1, 256):
+            for n in (1024, 4096):
+                g = torch.Generator().manual_seed(0)
+                query = torch.randn(1, heads, q_len, dim, generator=g)
+                key = torch.randn(1, kv_heads, n, dim, generator=g)
+                value = torch.randn(1, kv_heads, n, dim, generator=g)
+                yield name, q_len, n, query, key, value
+
+
 def main() -> None:
     import torch
 
@@ -68,31 +84,25 @@ def main() -> None:
     print(f"kernel build: {kernel_build()}, {torch.get_num_threads()} threads")
     print("| shape | query rows | keys | kernel ms | SDPA ms | ratio |")
     print("|---|---|---|---|---|---|")
-    for name, (heads, kv_heads, dim) in SHAPES.items():
-        for q_len in (1, 256):
-            for n in (1024, 4096):
-                g = torch.Generator().manual_seed(0)
-                query = torch.randn(1, heads, q_len, dim, generator=g)
-                key = torch.randn(1, kv_heads, n, dim, generator=g)
-                value = torch.randn(1, kv_heads, n, dim, generator=g)
-                groups = heads // kv_heads
-                key_rep, value_rep = (t.repeat_interleave(groups, 1) for t in (key, value))
-                mask = torch.ones(q_len, n, dtype=torch.bool).tril(n - q_len)
-                scale = dim**-0.5
-                calls = 20 if q_len == 1 else 3
-                ours = functools.partial(exact_attention, query, key, value, scale)
-                sdpa = functools.partial(
-                    torch.nn.functional.scaled_dot_product_attention,
-                    query, key_rep, value_rep, attn_mask=mask, scale=scale,
-                )  # fmt: skip
-                ours_s, sdpa_s = common.alternating_timings(ours, sdpa, args.repeats, calls)
-                k_ms, s_ms = harness.median(ours_s) * 1e3, harness.median(sdpa_s) * 1e3
-                ratio = harness.median_ratio(sdpa_s, ours_s)
-                rows.append(
-                    {"shape": name, "q_len": q_len, "keys": n, "kernel_ms": k_ms,
-                     "sdpa_ms": s_ms, "ratio": ratio}
-                )  # fmt: skip
-                print(f"| {name} | {q_len} | {n} | {k_ms:.2f} | {s_ms:.2f} | {ratio:.2f} |")
+    for name, q_len, n, query, key, value in cases():
+        groups = query.shape[1] // key.shape[1]
+        key_rep, value_rep = (t.repeat_interleave(groups, 1) for t in (key, value))
+        mask = torch.ones(q_len, n, dtype=torch.bool).tril(n - q_len)
+        scale = query.shape[-1] ** -0.5
+        calls = 20 if q_len == 1 else 3
+        ours = functools.partial(exact_attention, query, key, value, scale)
+        sdpa = functools.partial(
+            torch.nn.functional.scaled_dot_product_attention,
+            query, key_rep, value_rep, attn_mask=mask, scale=scale,
+        )  # fmt: skip
+        ours_s, sdpa_s = common.alternating_timings(ours, sdpa, args.repeats, calls)
+        k_ms, s_ms = harness.median(ours_s) * 1e3, harness.median(sdpa_s) * 1e3
+        ratio = harness.median_ratio(sdpa_s, ours_s)
+        rows.append(
+            {"shape": name, "q_len": q_len, "keys": n, "kernel_ms": k_ms,
+             "sdpa_ms": s_ms, "ratio": ratio}
+        )  # fmt: skip
+        print(f"| {name} | {q_len} | {n} | {k_ms:.2f} | {s_ms:.2f} | {ratio:.2f} |")
     fields = {"args": vars(args), "kernel_build": kernel_build(), "rows": rows}
     if args.against:
         fields["against"] = against(args.against, args.repeats)
@@ -137,29 +147,23 @@ def against(revision: str, repeats: int) -> list[dict[str, Any]]:
         print(f"\nagainst the kernel at {revision}:")
         print("| shape | query rows | keys | kernel ms | then ms | speedup | same bits |")
         print("|---|---|---|---|---|---|---|")
-        for name, (heads, kv_heads, dim) in SHAPES.items():
-            for q_len in (1, 256):
-                for n in (1024, 4096):
-                    g = torch.Generator().manual_seed(0)
-                    query = torch.randn(1, heads, q_len, dim, generator=g)
-                    key = torch.randn(1, kv_heads, n, dim, generator=g)
-                    value = torch.randn(1, kv_heads, n, dim, generator=g)
-                    scale = dim**-0.5
-                    now_call = functools.partial(call, None, query, key, value, scale)
-                    then_call = functools.partial(call, then, query, key, value, scale)
-                    same = bool(torch.equal(now_call(), then_call()))
-                    calls = 20 if q_len == 1 else 3
-                    now_s, then_s = common.alternating_timings(now_call, then_call, repeats, calls)
-                    k_ms, t_ms = harness.median(now_s) * 1e3, harness.median(then_s) * 1e3
-                    ratio = harness.median_ratio(then_s, now_s)
-                    rows.append(
-                        {"shape": name, "q_len": q_len, "keys": n, "kernel_ms": k_ms,
-                         "then_ms": t_ms, "speedup": ratio, "same_bits": same}
-                    )  # fmt: skip
-                    print(
-                        f"| {name} | {q_len} | {n} | {k_ms:.2f} | {t_ms:.2f} | {ratio:.2f} "
-                        f"| {'yes' if same else 'NO'} |"
-                    )
+        for name, q_len, n, query, key, value in cases():
+            scale = query.shape[-1] ** -0.5
+            now_call = functools.partial(call, None, query, key, value, scale)
+            then_call = functools.partial(call, then, query, key, value, scale)
+            same = bool(torch.equal(now_call(), then_call()))
+            calls = 20 if q_len == 1 else 3
+            now_s, then_s = common.alternating_timings(now_call, then_call, repeats, calls)
+            k_ms, t_ms = harness.median(now_s) * 1e3, harness.median(then_s) * 1e3
+            ratio = harness.median_ratio(then_s, now_s)
+            rows.append(
+                {"shape": name, "q_len": q_len, "keys": n, "kernel_ms": k_ms,
+                 "then_ms": t_ms, "speedup": ratio, "same_bits": same}
+            )  # fmt: skip
+            print(
+                f"| {name} | {q_len} | {n} | {k_ms:.2f} | {t_ms:.2f} | {ratio:.2f} "
+                f"| {'yes' if same else 'NO'} |"
+            )
     return rows
 
 

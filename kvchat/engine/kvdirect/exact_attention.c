@@ -304,10 +304,14 @@ static inline __m512 exp_nonpositive16(__m512 x) {
  * order of e), then the fixed tree. The tree is walked depth first, a quarter of the sums at
  * a time ({0, 8, 4, 12} makes ((p0 + p8) + (p4 + p12)), the tree's b0; then b2, b1, b3; then
  * (b0 + b2) + (b1 + b3)): the same additions in the same order, with few sums live at once,
- * so that the keys share every load of the rows' elements. */
+ * so that the keys share every load of the rows' elements. `full` (a constant at each call:
+ * exactly KEYS keys, a dim of whole PARTS blocks) leaves nothing but the multiply-adds and
+ * their loads in the inner loop. */
 #define KEYS 4
-static inline void dot16_keys(const float *qt, const float *const *krow, int nk, int64_t dim,
-                              __m512 *s) {
+static inline __attribute__((always_inline)) void dot16_keys_of(const float *qt,
+                                                                const float *const *krow,
+                                                                int nk, int64_t dim, __m512 *s,
+                                                                const int full) {
   static const int quarter[4][4] = {{0, 8, 4, 12}, {2, 10, 6, 14}, {1, 9, 5, 13}, {3, 11, 7, 15}};
   __m512 half[2][KEYS], first_b[KEYS];
   for (int h = 0; h < 2; h++) {
@@ -316,56 +320,20 @@ static inline void dot16_keys(const float *qt, const float *const *krow, int nk,
       __m512 p[4][KEYS];
       for (int u = 0; u < 4; u++)
         for (int key = 0; key < KEYS; key++) p[u][key] = _mm512_setzero_ps();
+      const float *q = qt, *k[KEYS];
+      for (int key = 0; key < KEYS; key++) k[key] = krow[full || key < nk ? key : 0];
       for (int64_t c = 0; c < dim; c += PARTS) {
-        const int64_t width = dim - c < PARTS ? dim - c : PARTS;
-        for (int u = 0; u < 4; u++) {
-          const int64_t i = leaf[u];
-          if (i >= width) continue;
-          const __m512 a = _mm512_loadu_ps(qt + (c + i) * LANES);
-          for (int key = 0; key < KEYS; key++)
-            if (key < nk) p[u][key] = _mm512_fmadd_ps(a, _mm512_set1_ps(krow[key][c + i]), p[u][key]);
-        }
-      }
-      for (int key = 0; key < KEYS; key++) {
-        const __m512 b = _mm512_add_ps(_mm512_add_ps(p[0][key], p[1][key]),
-                                       _mm512_add_ps(p[2][key], p[3][key]));
-        if (qd == 0) first_b[key] = b;
-        else half[h][key] = _mm512_add_ps(first_b[key], b);
-      }
-    }
-  }
-  for (int key = 0; key < KEYS; key++) s[key] = _mm512_add_ps(half[0][key], half[1][key]);
-}
-
-/* dot16_keys for exactly KEYS keys and a dim of whole PARTS blocks (the common case):
- * the same operations, with every loop bound known, so that nothing but the multiply-adds
- * and their loads is left in the inner loop. */
-static inline void dot16_keys_full(const float *qt, const float *const *krow, int64_t dim,
-                                   __m512 *s) {
-  static const int quarter[4][4] = {{0, 8, 4, 12}, {2, 10, 6, 14}, {1, 9, 5, 13}, {3, 11, 7, 15}};
-  const float *k0 = krow[0], *k1 = krow[1], *k2 = krow[2], *k3 = krow[3];
-  __m512 half[2][KEYS], first_b[KEYS];
-  for (int h = 0; h < 2; h++) {
-    for (int qd = 0; qd < 2; qd++) {
-      const int *leaf = quarter[2 * h + qd];
-      __m512 p[4][KEYS];
-      for (int u = 0; u < 4; u++)
-        for (int key = 0; key < KEYS; key++) p[u][key] = _mm512_setzero_ps();
-      const float *q = qt, *a0 = k0, *a1 = k1, *a2 = k2, *a3 = k3;
-      for (int64_t c = 0; c < dim; c += PARTS) {
+        const int64_t width = full || dim - c >= PARTS ? PARTS : dim - c;
         for (int u = 0; u < 4; u++) {
           const int i = leaf[u];
+          if (i >= width) continue;
           const __m512 a = _mm512_loadu_ps(q + i * LANES);
-          p[u][0] = _mm512_fmadd_ps(a, _mm512_set1_ps(a0[i]), p[u][0]);
-          p[u][1] = _mm512_fmadd_ps(a, _mm512_set1_ps(a1[i]), p[u][1]);
-          p[u][2] = _mm512_fmadd_ps(a, _mm512_set1_ps(a2[i]), p[u][2]);
-          p[u][3] = _mm512_fmadd_ps(a, _mm512_set1_ps(a3[i]), p[u][3]);
+          for (int key = 0; key < KEYS; key++)
+            if (full || key < nk)
+              p[u][key] = _mm512_fmadd_ps(a, _mm512_set1_ps(k[key][i]), p[u][key]);
         }
         q += PARTS * LANES;
-        a0 += PARTS;
-        a1 += PARTS;
-        a2 += PARTS;
-        a3 += PARTS;
+        for (int key = 0; key < KEYS; key++) k[key] += PARTS;
       }
       for (int key = 0; key < KEYS; key++) {
         const __m512 b = _mm512_add_ps(_mm512_add_ps(p[0][key], p[1][key]),
@@ -401,7 +369,7 @@ static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
   for (int t = 0; t < LANES; t++) buf[t] = t < lanes ? job->l[row0 + t] : 0.0f;
   __m512 l = _mm512_loadu_ps(buf);
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
-  /* Keys in groups of GROUP: the group's scores are taken together (dot16_keys), then each
+  /* Keys in groups of GROUP: the group's scores are taken together (dot16_keys_of), then each
    * key's max, weights and rescale are worked out in order, then one pass over the
    * accumulators applies them key after key (rescale, then add): the order a key-at-a-time
    * loop would take, with a fraction of the loads and stores. */
@@ -438,9 +406,9 @@ static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
     __mmask16 cg[GROUP];
     for (int g = 0; g < count; g += KEYS) {
       if (count - g >= KEYS && dim % PARTS == 0)
-        dot16_keys_full(qt, krow + g, dim, sg + g);
+        dot16_keys_of(qt, krow + g, KEYS, dim, sg + g, 1);
       else
-        dot16_keys(qt, krow + g, count - g < KEYS ? count - g : KEYS, dim, sg + g);
+        dot16_keys_of(qt, krow + g, count - g < KEYS ? count - g : KEYS, dim, sg + g, 0);
     }
     for (int g = 0; g < count; g++) {
       const __m512 s = sg[g];
