@@ -299,20 +299,31 @@ static inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_mask_blend_ps(under, out, _mm512_setzero_ps());
 }
 
+/* Element i of four keys (k0..k3) times the rows' element i (a), into four running sums. */
+static inline __attribute__((always_inline)) void fma_keys(__m512 *sums, __m512 a,
+                                                           const float *k0, const float *k1,
+                                                           const float *k2, const float *k3,
+                                                           int i) {
+  sums[0] = _mm512_fmadd_ps(a, _mm512_set1_ps(k0[i]), sums[0]);
+  sums[1] = _mm512_fmadd_ps(a, _mm512_set1_ps(k1[i]), sums[1]);
+  sums[2] = _mm512_fmadd_ps(a, _mm512_set1_ps(k2[i]), sums[2]);
+  sums[3] = _mm512_fmadd_ps(a, _mm512_set1_ps(k3[i]), sums[3]);
+}
+
 /* Up to KEYS keys' dot products with the tile's LANES query rows (qt[e * LANES + t]: element
  * e of row t), each the portable code's: PARTS partial sums (element e to sum e % PARTS, in
  * order of e), then the fixed tree. The tree is walked depth first, a quarter of the sums at
  * a time ({0, 8, 4, 12} makes ((p0 + p8) + (p4 + p12)), the tree's b0; then b2, b1, b3; then
  * (b0 + b2) + (b1 + b3)): the same additions in the same order, with few sums live at once,
- * so that the keys share every load of the rows' elements. `full` (a constant at each call:
- * exactly KEYS keys, a dim of whole PARTS blocks) leaves nothing but the multiply-adds and
- * their loads in the inner loop. */
+ * so that the keys share every load of the rows' elements. With fewer than KEYS keys the
+ * last one stands in for the missing ones, whose sums are dropped. */
 #define KEYS 4
-static inline __attribute__((always_inline)) void dot16_keys_of(const float *qt,
-                                                                const float *const *krow,
-                                                                int nk, int64_t dim, __m512 *s,
-                                                                const int full) {
+static inline __attribute__((always_inline)) void dot16_keys(const float *qt,
+                                                             const float *const *krow, int nk,
+                                                             int64_t dim, __m512 *s) {
   static const int quarter[4][4] = {{0, 8, 4, 12}, {2, 10, 6, 14}, {1, 9, 5, 13}, {3, 11, 7, 15}};
+  const float *k0 = krow[0], *k1 = krow[nk > 1 ? 1 : nk - 1];
+  const float *k2 = krow[nk > 2 ? 2 : nk - 1], *k3 = krow[nk > 3 ? 3 : nk - 1];
   __m512 half[2][KEYS], first_b[KEYS];
   for (int h = 0; h < 2; h++) {
     for (int qd = 0; qd < 2; qd++) {
@@ -320,21 +331,28 @@ static inline __attribute__((always_inline)) void dot16_keys_of(const float *qt,
       __m512 p[4][KEYS];
       for (int u = 0; u < 4; u++)
         for (int key = 0; key < KEYS; key++) p[u][key] = _mm512_setzero_ps();
-      const float *q = qt, *k[KEYS];
-      for (int key = 0; key < KEYS; key++) k[key] = krow[full || key < nk ? key : 0];
-      for (int64_t c = 0; c < dim; c += PARTS) {
-        const int64_t width = full || dim - c >= PARTS ? PARTS : dim - c;
+      const float *q = qt, *a0 = k0, *a1 = k1, *a2 = k2, *a3 = k3;
+      int64_t c = 0;
+      for (; c + PARTS <= dim; c += PARTS) {
         for (int u = 0; u < 4; u++) {
           const int i = leaf[u];
-          if (i >= width) continue;
           const __m512 a = _mm512_loadu_ps(q + i * LANES);
-          for (int key = 0; key < KEYS; key++)
-            if (full || key < nk)
-              p[u][key] = _mm512_fmadd_ps(a, _mm512_set1_ps(k[key][i]), p[u][key]);
+          p[u][0] = _mm512_fmadd_ps(a, _mm512_set1_ps(a0[i]), p[u][0]);
+          p[u][1] = _mm512_fmadd_ps(a, _mm512_set1_ps(a1[i]), p[u][1]);
+          p[u][2] = _mm512_fmadd_ps(a, _mm512_set1_ps(a2[i]), p[u][2]);
+          p[u][3] = _mm512_fmadd_ps(a, _mm512_set1_ps(a3[i]), p[u][3]);
         }
         q += PARTS * LANES;
-        for (int key = 0; key < KEYS; key++) k[key] += PARTS;
+        a0 += PARTS;
+        a1 += PARTS;
+        a2 += PARTS;
+        a3 += PARTS;
       }
+      /* A last, partial block: the sums of its missing elements take nothing. */
+      if (__builtin_expect(c < dim, 0))
+        for (int u = 0; u < 4; u++)
+          if (leaf[u] < dim - c)
+            fma_keys(p[u], _mm512_loadu_ps(q + leaf[u] * LANES), a0, a1, a2, a3, leaf[u]);
       for (int key = 0; key < KEYS; key++) {
         const __m512 b = _mm512_add_ps(_mm512_add_ps(p[0][key], p[1][key]),
                                        _mm512_add_ps(p[2][key], p[3][key]));
@@ -343,7 +361,7 @@ static inline __attribute__((always_inline)) void dot16_keys_of(const float *qt,
       }
     }
   }
-  for (int key = 0; key < KEYS; key++) s[key] = _mm512_add_ps(half[0][key], half[1][key]);
+  for (int key = 0; key < nk; key++) s[key] = _mm512_add_ps(half[0][key], half[1][key]);
 }
 
 static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
@@ -369,7 +387,7 @@ static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
   for (int t = 0; t < LANES; t++) buf[t] = t < lanes ? job->l[row0 + t] : 0.0f;
   __m512 l = _mm512_loadu_ps(buf);
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
-  /* Keys in groups of GROUP: the group's scores are taken together (dot16_keys_of), then each
+  /* Keys in groups of GROUP: the group's scores are taken together (dot16_keys), then each
    * key's max, weights and rescale are worked out in order, then one pass over the
    * accumulators applies them key after key (rescale, then add): the order a key-at-a-time
    * loop would take, with a fraction of the loads and stores. */
@@ -404,12 +422,8 @@ static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
     }
     __m512 sg[GROUP], pg[GROUP], ag[GROUP];
     __mmask16 cg[GROUP];
-    for (int g = 0; g < count; g += KEYS) {
-      if (count - g >= KEYS && dim % PARTS == 0)
-        dot16_keys_of(qt, krow + g, KEYS, dim, sg + g, 1);
-      else
-        dot16_keys_of(qt, krow + g, count - g < KEYS ? count - g : KEYS, dim, sg + g, 0);
-    }
+    for (int g = 0; g < count; g += KEYS)
+      dot16_keys(qt, krow + g, count - g < KEYS ? count - g : KEYS, dim, sg + g);
     for (int g = 0; g < count; g++) {
       const __m512 s = sg[g];
       __mmask16 visible = 0;
