@@ -38,9 +38,9 @@ def next_token(
 
 def greedy_choice(logits: torch.Tensor) -> int:
     """``torch.argmax``'s index of ``logits`` ([vocab]): the first of tied maxima, a NaN
-    above every number. On the CPU it is NumPy's argmax, which picks the same index: torch's
-    CPU argmax over a vocabulary costs a real share of a small model's decode step, NumPy's
-    a small fraction of that (``benchmarks/bench_decode_step.py``)."""
+    above every number. On the CPU it is NumPy's argmax, which picks the same index
+    (``tests/engine/chat/test_sampling.py``): torch's CPU argmax over a large vocabulary is a
+    visible share of a small model's decode step, NumPy's a small fraction of that."""
     if logits.device.type == "cpu" and logits.dim() == 1:
         values = logits.detach()
         if values.dtype != torch.float32:
