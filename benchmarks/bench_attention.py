@@ -12,9 +12,11 @@ faster). The line ``kernel build:`` says which code the CPU runs (AVX-512, AVX2 
 ``--against REV`` also builds the kernel as it was at git revision REV (same flags; a
 revision with the same C interface) and times the two on the same tensors, interleaved,
 checking they give the same bits: what a change to the kernel bought, rerunnable.
+``--build avx2`` runs the kernel built for CPUs without AVX-512 (both kernels, with
+``--against``), on this CPU: how that code path moves, measured on this machine.
 
 Run from the repository root: ``python benchmarks/bench_attention.py [--repeats 5]
-[--against REV]``.
+[--against REV] [--build avx2]``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,19 +72,24 @@ def cases() -> Iterator[tuple[str, int, int, Any, Any, Any]]:
 def main() -> None:
     import torch
 
-    from kvchat.engine.kvdirect.exact_attention import available, exact_attention
+    from kvchat.engine.kvdirect.exact_attention import available
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="docs/results/bench_attention/run.json")
     parser.add_argument("--against", help="a git revision whose kernel to time beside this one")
+    parser.add_argument("--build", choices=["native", "avx2"], default="native")
     args = parser.parse_args()
     if not available():
         sys.exit("kvchat's attention kernel is not built here (no C compiler?): nothing to compare")
     wall = harness.stopwatch()
     env = harness.environment(threads=torch.get_num_threads())
     rows = []
-    print(f"kernel build: {kernel_build()}, {torch.get_num_threads()} threads")
+    flags = build_flags(args.build)
+    build = kernel_build() if args.build == "native" else "AVX2 (built for CPUs without AVX-512)"
+    scratch = tempfile.TemporaryDirectory()
+    kernel = None if flags is None else kernel_at("HEAD", Path(scratch.name), flags, worktree=True)
+    print(f"kernel build: {build}, {torch.get_num_threads()} threads")
     print("| shape | query rows | keys | kernel ms | SDPA ms | ratio |")
     print("|---|---|---|---|---|---|")
     for name, q_len, n, query, key, value in cases():
@@ -90,7 +98,7 @@ def main() -> None:
         mask = torch.ones(q_len, n, dtype=torch.bool).tril(n - q_len)
         scale = query.shape[-1] ** -0.5
         calls = 20 if q_len == 1 else 3
-        ours = functools.partial(exact_attention, query, key, value, scale)
+        ours = functools.partial(attend, kernel, query, key, value, scale)
         sdpa = functools.partial(
             torch.nn.functional.scaled_dot_product_attention,
             query, key_rep, value_rep, attn_mask=mask, scale=scale,
@@ -103,54 +111,74 @@ def main() -> None:
              "sdpa_ms": s_ms, "ratio": ratio}
         )  # fmt: skip
         print(f"| {name} | {q_len} | {n} | {k_ms:.2f} | {s_ms:.2f} | {ratio:.2f} |")
-    fields = {"args": vars(args), "kernel_build": kernel_build(), "rows": rows}
+    fields = {"args": vars(args), "kernel_build": build, "rows": rows}
     if args.against:
-        fields["against"] = against(args.against, args.repeats)
+        fields["against"] = against(args.against, args.repeats, kernel, flags)
+    scratch.cleanup()
     harness.save_run(args.out, "bench_attention", fields, env, wall())
 
 
-def kernel_at(revision: str, directory: Path) -> Any:
-    """The attention kernel's source at ``revision``, built with this build's flags."""
+def build_flags(build: str) -> list[str] | None:
+    """The compiler flags of ``--build`` (None: the kernel kvchat itself builds here)."""
+    from kvchat.engine.kvdirect.exact_attention import AVX2_FLAGS
+
+    return None if build == "native" else AVX2_FLAGS
+
+
+def kernel_at(
+    revision: str, directory: Path, flags: list[str] | None, worktree: bool = False
+) -> Any:
+    """The attention kernel's source at ``revision`` (or this checkout's, ``worktree``),
+    built with ``flags`` (None: kvchat's own)."""
     import subprocess
 
-    from kvchat.engine.kvdirect.exact_attention import compile_kernel, compiler, load_kernel
+    from kvchat.engine.kvdirect.exact_attention import SOURCE, compile_kernel, compiler, load_kernel
 
-    source = directory / "exact_attention.c"
-    text = subprocess.run(
-        ["git", "show", f"{revision}:kvchat/engine/kvdirect/exact_attention.c"],
-        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    source.write_text(text)
-    target = directory / "then.so"
-    if not compile_kernel(compiler(), target, source=source):
-        sys.exit(f"the kernel at {revision} does not build here")
+    source = directory / f"{'now' if worktree else 'then'}.c"
+    if worktree:
+        source.write_text(SOURCE.read_text())
+    else:
+        source.write_text(
+            subprocess.run(
+                ["git", "show", f"{revision}:kvchat/engine/kvdirect/exact_attention.c"],
+                cwd=Path(__file__).resolve().parent.parent,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout  # fmt: skip
+        )
+    target = source.with_suffix(".so")
+    if not compile_kernel(compiler(), target, flags, source=source):
+        sys.exit(f"the kernel at {'this checkout' if worktree else revision} does not build here")
     return load_kernel(target)
 
 
-def against(revision: str, repeats: int) -> list[dict[str, Any]]:
-    """This kernel against the one at ``revision``: the same calls, interleaved, and the
-    same bits required."""
-    import tempfile
-
-    import torch
-
+def attend(kernel: Any, query: Any, key: Any, value: Any, scale: float) -> Any:
+    """One attention call through ``kernel`` (None: kvchat's own build)."""
     from kvchat.engine.kvdirect.exact_attention import AttentionState
 
-    def call(kernel: Any, query: Any, key: Any, value: Any, scale: float) -> Any:
-        state = AttentionState(query, scale, key.shape[-2] - query.shape[-2], kernel=kernel)
-        state.fold(key, value, 0)
-        return state.finish()
+    state = AttentionState(query, scale, key.shape[-2] - query.shape[-2], kernel=kernel)
+    state.fold(key, value, 0)
+    return state.finish()
+
+
+def against(
+    revision: str, repeats: int, kernel: Any, flags: list[str] | None
+) -> list[dict[str, Any]]:
+    """This kernel against the one at ``revision`` (both built with ``flags``): the same
+    calls, interleaved, and the same bits required."""
+    import torch
 
     rows = []
     with tempfile.TemporaryDirectory() as directory:
-        then = kernel_at(revision, Path(directory))
+        then = kernel_at(revision, Path(directory), flags)
         print(f"\nagainst the kernel at {revision}:")
         print("| shape | query rows | keys | kernel ms | then ms | speedup | same bits |")
         print("|---|---|---|---|---|---|---|")
         for name, q_len, n, query, key, value in cases():
             scale = query.shape[-1] ** -0.5
-            now_call = functools.partial(call, None, query, key, value, scale)
-            then_call = functools.partial(call, then, query, key, value, scale)
+            now_call = functools.partial(attend, kernel, query, key, value, scale)
+            then_call = functools.partial(attend, then, query, key, value, scale)
             same = bool(torch.equal(now_call(), then_call()))
             calls = 20 if q_len == 1 else 3
             now_s, then_s = common.alternating_timings(now_call, then_call, repeats, calls)

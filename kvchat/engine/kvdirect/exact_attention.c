@@ -716,6 +716,22 @@ static void fold_tile_avx2(const Job *job, int64_t kv_head, int64_t first) {
       cg[count] = changed;
       count++;
     }
+    int rescaled = 0;
+    for (int g = 0; g < count; g++) rescaled |= cg[g];
+    if (count == GROUP && !rescaled) { /* the usual group once the max settles: adds only */
+      for (int64_t e = 0; e < dim; e++) {
+        float *a = acc + e * LANES;
+        __m256 lo = _mm256_loadu_ps(a), hi = _mm256_loadu_ps(a + 8);
+        for (int g = 0; g < GROUP; g++) {
+          const __m256 ve = _mm256_set1_ps(vrow[g][e]);
+          lo = _mm256_fmadd_ps(pg[g].lo, ve, lo);
+          hi = _mm256_fmadd_ps(pg[g].hi, ve, hi);
+        }
+        _mm256_storeu_ps(a, lo);
+        _mm256_storeu_ps(a + 8, hi);
+      }
+      continue;
+    }
     for (int64_t e = 0; e < dim; e++) {
       float *a = acc + e * LANES;
       __m256 lo = _mm256_loadu_ps(a), hi = _mm256_loadu_ps(a + 8);
