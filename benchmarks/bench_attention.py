@@ -13,7 +13,8 @@ faster). The line ``kernel build:`` says which code the CPU runs (AVX-512, AVX2 
 revision with the same C interface) and times the two on the same tensors, interleaved,
 checking they give the same bits: what a change to the kernel bought, rerunnable.
 ``--build avx2`` runs the kernel built for CPUs without AVX-512 (both kernels, with
-``--against``), on this CPU: how that code path moves, measured on this machine.
+``--against``), on this CPU: how that code path moves, measured on this machine (SDPA is
+still torch's build for this CPU, so that column flatters SDPA on an AVX-512 machine).
 
 Run from the repository root: ``python benchmarks/bench_attention.py [--repeats 5]
 [--against REV] [--build avx2]``.
