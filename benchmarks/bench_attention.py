@@ -89,7 +89,7 @@ def main() -> None:
     flags = build_flags(args.build)
     build = kernel_build() if args.build == "native" else "AVX2 (built for CPUs without AVX-512)"
     scratch = tempfile.TemporaryDirectory()
-    kernel = None if flags is None else kernel_at("HEAD", Path(scratch.name), flags, worktree=True)
+    kernel = None if flags is None else kernel_at(None, Path(scratch.name), flags)
     print(f"kernel build: {build}, {torch.get_num_threads()} threads")
     print("| shape | query rows | keys | kernel ms | SDPA ms | ratio |")
     print("|---|---|---|---|---|---|")
@@ -114,7 +114,8 @@ def main() -> None:
         print(f"| {name} | {q_len} | {n} | {k_ms:.2f} | {s_ms:.2f} | {ratio:.2f} |")
     fields = {"args": vars(args), "kernel_build": build, "rows": rows}
     if args.against:
-        fields["against"] = against(args.against, args.repeats, kernel, flags)
+        then = kernel_at(args.against, Path(scratch.name), flags)
+        fields["against"] = against(args.against, args.repeats, kernel, then)
     scratch.cleanup()
     harness.save_run(args.out, "bench_attention", fields, env, wall())
 
@@ -126,31 +127,25 @@ def build_flags(build: str) -> list[str] | None:
     return None if build == "native" else AVX2_FLAGS
 
 
-def kernel_at(
-    revision: str, directory: Path, flags: list[str] | None, worktree: bool = False
-) -> Any:
-    """The attention kernel's source at ``revision`` (or this checkout's, ``worktree``),
-    built with ``flags`` (None: kvchat's own)."""
+def kernel_at(revision: str | None, directory: Path, flags: list[str] | None) -> Any:
+    """The attention kernel's source at git ``revision`` (None: this checkout's), built into
+    ``directory`` with ``flags`` (None: kvchat's own)."""
     import subprocess
 
     from kvchat.engine.kvdirect.exact_attention import SOURCE, compile_kernel, compiler, load_kernel
 
-    source = directory / f"{'now' if worktree else 'then'}.c"
-    if worktree:
-        source.write_text(SOURCE.read_text())
+    source = directory / f"{revision or 'checkout'}.c"
+    if revision is None:
+        text = SOURCE.read_text()
     else:
-        source.write_text(
-            subprocess.run(
-                ["git", "show", f"{revision}:kvchat/engine/kvdirect/exact_attention.c"],
-                cwd=Path(__file__).resolve().parent.parent,
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout  # fmt: skip
-        )
+        text = subprocess.run(
+            ["git", "show", f"{revision}:kvchat/engine/kvdirect/exact_attention.c"],
+            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    source.write_text(text)
     target = source.with_suffix(".so")
     if not compile_kernel(compiler(), target, flags, source=source):
-        sys.exit(f"the kernel at {'this checkout' if worktree else revision} does not build here")
+        sys.exit(f"the kernel at {revision or 'this checkout'} does not build here")
     return load_kernel(target)
 
 
@@ -163,36 +158,32 @@ def attend(kernel: Any, query: Any, key: Any, value: Any, scale: float) -> Any:
     return state.finish()
 
 
-def against(
-    revision: str, repeats: int, kernel: Any, flags: list[str] | None
-) -> list[dict[str, Any]]:
-    """This kernel against the one at ``revision`` (both built with ``flags``): the same
-    calls, interleaved, and the same bits required."""
+def against(revision: str, repeats: int, kernel: Any, then: Any) -> list[dict[str, Any]]:
+    """This kernel against ``then``, the one at ``revision`` (built alike): the same calls,
+    interleaved, and the same bits required."""
     import torch
 
     rows = []
-    with tempfile.TemporaryDirectory() as directory:
-        then = kernel_at(revision, Path(directory), flags)
-        print(f"\nagainst the kernel at {revision}:")
-        print("| shape | query rows | keys | kernel ms | then ms | speedup | same bits |")
-        print("|---|---|---|---|---|---|---|")
-        for name, q_len, n, query, key, value in cases():
-            scale = query.shape[-1] ** -0.5
-            now_call = functools.partial(attend, kernel, query, key, value, scale)
-            then_call = functools.partial(attend, then, query, key, value, scale)
-            same = bool(torch.equal(now_call(), then_call()))
-            calls = 20 if q_len == 1 else 3
-            now_s, then_s = common.alternating_timings(now_call, then_call, repeats, calls)
-            k_ms, t_ms = harness.median(now_s) * 1e3, harness.median(then_s) * 1e3
-            ratio = harness.median_ratio(then_s, now_s)
-            rows.append(
-                {"shape": name, "q_len": q_len, "keys": n, "kernel_ms": k_ms,
-                 "then_ms": t_ms, "speedup": ratio, "same_bits": same}
-            )  # fmt: skip
-            print(
-                f"| {name} | {q_len} | {n} | {k_ms:.2f} | {t_ms:.2f} | {ratio:.2f} "
-                f"| {'yes' if same else 'NO'} |"
-            )
+    print(f"\nagainst the kernel at {revision}:")
+    print("| shape | query rows | keys | kernel ms | then ms | speedup | same bits |")
+    print("|---|---|---|---|---|---|---|")
+    for name, q_len, n, query, key, value in cases():
+        scale = query.shape[-1] ** -0.5
+        now_call = functools.partial(attend, kernel, query, key, value, scale)
+        then_call = functools.partial(attend, then, query, key, value, scale)
+        same = bool(torch.equal(now_call(), then_call()))
+        calls = 20 if q_len == 1 else 3
+        now_s, then_s = common.alternating_timings(now_call, then_call, repeats, calls)
+        k_ms, t_ms = harness.median(now_s) * 1e3, harness.median(then_s) * 1e3
+        ratio = harness.median_ratio(then_s, now_s)
+        rows.append(
+            {"shape": name, "q_len": q_len, "keys": n, "kernel_ms": k_ms,
+             "then_ms": t_ms, "speedup": ratio, "same_bits": same}
+        )  # fmt: skip
+        print(
+            f"| {name} | {q_len} | {n} | {k_ms:.2f} | {t_ms:.2f} | {ratio:.2f} "
+            f"| {'yes' if same else 'NO'} |"
+        )
     return rows
 
 

@@ -133,28 +133,8 @@ def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def order_of_runs(repeats: int) -> list[str]:
-    """The first start, then the default and the baseline taking turns (the order swapping
-    every repeat, so drift in the machine's speed falls on both), then the bounded row."""
-    order = ["default, first start"]
-    for i in range(repeats):
-        pair = ["default", BASELINE]
-        order += pair if i % 2 == 0 else pair[::-1]
-    return [*order, "default, --max-mem 64MB"]
-
-
-def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A row's runs as one: the median of each number (the first run's tokens; every run
-    of a row must give the same ones)."""
-    if len(runs) == 1:
-        return runs[0]
-    if any(r["tokens"] != runs[0]["tokens"] for r in runs):
-        raise RuntimeError("the repeats of one row gave different tokens")
-    out = dict(runs[0])
-    for key, value in runs[0].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = harness.median(r[key] for r in runs)
-    return out
+# Figures of a row that differ from run to run (the rest, tokens and sizes, do not).
+MEDIAN_FIELDS = ("load_seconds", "prefill_tps", "decode_tps", "rss_bytes", "peak_rss_bytes")
 
 
 def main() -> None:
@@ -180,13 +160,21 @@ def main() -> None:
     args.cache = tempfile.mkdtemp(prefix="kvchat-fit-cache-", dir=directory.parent)
     checkpoint_bytes = (directory / "model.safetensors").stat().st_size
     args.ids_file = common.story_prompt_file(args.dir, args.prompt_tokens, args.json)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
-    for name in order_of_runs(max(1, args.repeats)):
+
+    def measure_row(name: str, _repeat: int = 0) -> dict[str, Any]:
         harness.say(f"running: {name}")
-        runs[name].append(run_row(name, args))
-        harness.say(f"  {json.dumps({k: v for k, v in runs[name][-1].items() if k != 'tokens'})}")
-    results = {name: median_run(r) for name, r in runs.items()}
-    paired = [d["decode_tps"] / n["decode_tps"] for d, n in zip(runs["default"], runs[BASELINE])]
+        result = run_row(name, args)
+        harness.say(f"  {json.dumps({k: v for k, v in result.items() if k != 'tokens'})}")
+        return result
+
+    # The first start, then the default and the baseline taking turns (the order swapping
+    # every repeat, so drift in the machine's speed falls on both), then the bounded row.
+    runs = {"default, first start": [measure_row("default, first start")]}
+    runs |= harness.interleaved(["default", BASELINE], max(1, args.repeats), measure_row)
+    runs["default, --max-mem 64MB"] = [measure_row("default, --max-mem 64MB")]
+    runs = {name: runs[name] for name in ROWS}
+    results = {name: common.median_row(r, MEDIAN_FIELDS) for name, r in runs.items()}
+    paired = harness.paired_ratios(runs["default"], runs[BASELINE], "decode_tps")
     base = results[BASELINE]
     rows = []
     for name, r in results.items():

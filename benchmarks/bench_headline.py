@@ -159,14 +159,8 @@ MEDIAN_FIELDS = ("load_s", "prefill_tps", "decode_tps", "rss_bytes", "peak_rss_b
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from its runs: the median of each timing and size, everything else (the
     tokens, the weights) from the first run, every run's decode rate kept."""
-    row = dict(runs[0])
-    for field in MEDIAN_FIELDS:
-        if field in row:
-            row[field] = harness.median([r[field] for r in runs])
+    row = common.median_row(runs, MEDIAN_FIELDS)
     row["decode_tps_runs"] = [r["decode_tps"] for r in runs]
-    same = all(r["tokens"] == runs[0]["tokens"] for r in runs)
-    if not same:
-        raise RuntimeError("a row gave other tokens on another run")
     return row
 
 

@@ -172,6 +172,18 @@ def greedy_run(
     return stamps, tokens
 
 
+def median_row(runs: list[dict[str, Any]], fields: tuple[str, ...]) -> dict[str, Any]:
+    """One row from its repeats: the median of each of ``fields``, everything else (the
+    tokens, the weights) from the first run. Every run must have given the same tokens."""
+    if any(r["tokens"] != runs[0]["tokens"] for r in runs):
+        raise RuntimeError("a row gave other tokens on another run")
+    row = dict(runs[0])
+    for field in fields:
+        if field in row:
+            row[field] = harness.median([r[field] for r in runs])
+    return row
+
+
 def timed_reply(loaded: Any, session: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
     """:func:`greedy_run` on ``session``'s cache: :func:`reply_figures` of it, with the
     tokens."""

@@ -334,14 +334,8 @@ static inline __attribute__((always_inline)) void dot16_keys(const float *qt,
       const float *q = qt, *a0 = k0, *a1 = k1, *a2 = k2, *a3 = k3;
       int64_t c = 0;
       for (; c + PARTS <= dim; c += PARTS) {
-        for (int u = 0; u < 4; u++) {
-          const int i = leaf[u];
-          const __m512 a = _mm512_loadu_ps(q + i * LANES);
-          p[u][0] = _mm512_fmadd_ps(a, _mm512_set1_ps(a0[i]), p[u][0]);
-          p[u][1] = _mm512_fmadd_ps(a, _mm512_set1_ps(a1[i]), p[u][1]);
-          p[u][2] = _mm512_fmadd_ps(a, _mm512_set1_ps(a2[i]), p[u][2]);
-          p[u][3] = _mm512_fmadd_ps(a, _mm512_set1_ps(a3[i]), p[u][3]);
-        }
+        for (int u = 0; u < 4; u++)
+          fma_keys(p[u], _mm512_loadu_ps(q + leaf[u] * LANES), a0, a1, a2, a3, leaf[u]);
         q += PARTS * LANES;
         a0 += PARTS;
         a1 += PARTS;
