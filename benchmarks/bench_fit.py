@@ -13,8 +13,8 @@ fetches), then runs each row in a fresh process: load, one ~600-token prompt of 
 
 With ``--repeats N`` the ``default`` and ``--weights none`` rows run N times each, taking
 turns (the order swapping every repeat), and each row shows its median; decode against the
-baseline is then the median of the N paired ratios, since a single run of each moved this
-ratio by a fifth between runs on this shared machine.
+baseline is then the median of the N paired ratios, since single runs of each moved this
+ratio across its target from one run to the next on this shared machine.
 
 Printed per row: weights resident, RSS after the reply, peak RSS (``VmHWM``, loading
 included), load seconds, prefill and decode tok/s, and the targets' ratios: RSS against the
