@@ -84,6 +84,10 @@ class ProjectionGroup(nn.Module):
         self.members = len(members)
         self.widths = widths
         self.has_bias = any(m.bias is not None for m in members)
+        # The leading members whose columns may take the int4 kernel's tiled path (q_proj's,
+        # not the replayed k_proj's and v_proj's: Int4Linear.tiled).
+        tiled = [getattr(m, "tiled", False) for m in members]
+        self.tiled_members = tiled.index(False) if False in tiled else len(tiled)
         self._stash = _Stash(self.members)
         self._plans: list[_Plan] | None = None
 
@@ -105,7 +109,8 @@ class ProjectionGroup(nn.Module):
                     bias = getattr(self, f"bias_{j}", None)
                     cuts.append((self.starts[j] - base, self.starts[j + 1] - base, bias))
                 weight = self.packed[base:]
-                plans.append(_Plan(weight, getattr(self, f"scales_from_{entry}"), cuts))
+                tiled = max(0, self.starts[self.tiled_members] - base)
+                plans.append(_Plan(weight, getattr(self, f"scales_from_{entry}"), cuts, tiled))
             self._plans = plans
         return self._plans[index]
 
@@ -141,7 +146,14 @@ class ProjectionGroup(nn.Module):
     def _run(self, plan: _Plan, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.form == "kvchat":
-            y = int4_kernel.matmul(rows, plan.weight, plan.scales, plan.weight.shape[0])
+            n, t = plan.weight.shape[0], plan.tiled
+            if t and int4_kernel.takes_tiles(rows.shape[0]):
+                w, s = plan.weight, plan.scales
+                y = int4_kernel.matmul(rows, w[:t], s[:t], t, tiled=True)
+                if t < n:
+                    y = torch.cat([y, int4_kernel.matmul(rows, w[t:], s[t:], n - t)], dim=1)
+            else:
+                y = int4_kernel.matmul(rows, plan.weight, plan.scales, n)
             return y.to(rows.dtype)
         return (int4_mm if self.int4 else int8_mm)(rows, plan.weight, plan.scales)
 
@@ -171,15 +183,17 @@ class _Stash:
 
 
 class _Plan:
-    __slots__ = ("cuts", "scales", "weight")
+    __slots__ = ("cuts", "scales", "tiled", "weight")
 
     def __init__(
         self,
         weight: torch.Tensor,
         scales: torch.Tensor,
         cuts: list[tuple[int, int, torch.Tensor | None]],
+        tiled: int,
     ) -> None:
         self.weight, self.scales, self.cuts = weight, scales, cuts
+        self.tiled = tiled  # the weight's leading rows a call of many rows may tile
 
 
 class FusedProjection(nn.Module):
@@ -197,8 +211,9 @@ class FusedProjection(nn.Module):
 
     @property
     def rows_independent(self) -> bool:
-        """As :attr:`Int4Linear.rows_independent`, for the kernel that runs the group."""
-        return self.group.form == "kvchat"
+        """As :attr:`Int4Linear.rows_independent`, for the kernel that runs the group and
+        this member's columns (tiled or not)."""
+        return self.group.form == "kvchat" and self.index >= self.group.tiled_members
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.columns(self.index, x)

@@ -29,6 +29,12 @@
 #define KVCHAT_AVX2 1
 #if defined(__AVX512F__)
 #define KVCHAT_AVX512 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__linux__) && defined(__x86_64__)
+#define KVCHAT_TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 #endif
 
@@ -48,6 +54,10 @@ typedef struct {
   int64_t n;
   float *out;
   int64_t n0, n1;
+  const uint16_t *tiles_x; /* the tiled path's activations (tiles_activations), or NULL */
+  int64_t padded_rows, steps; /* its rows rounded up to 32, its k-steps of 32 */
+  uint16_t *tiles_w;         /* the job's own dequantized weights (tiles_job) */
+  float *tiles_sums;         /* and its sums */
 } Job;
 
 static inline float half_to_float(uint16_t h) {
@@ -345,7 +355,243 @@ static void pairs_tile(const Job *job, int64_t r0, int64_t nr, const float *xi) 
 }
 #endif
 
+#ifdef KVCHAT_TILES
+/* The tiled path (AMX), for calls of many rows (a prefill chunk): the tile unit multiplies
+   bf16 pairs into float32 sums about ten times as fast as the vector code multiplies float32.
+   Each weight is held exactly as the sum of two bf16 numbers (high and low): a code times its
+   fp16 scale has at most 15 significant bits, and so has a symmetric row's (q - 8) * scale;
+   an asymmetric row's minimums (fp16) enter as extra k-steps, against each group's activation
+   sum. Each activation is split the same way, and every output adds, for each k-step in
+   order, high weights times high activations, low weights times high activations, then high
+   weights times low activations (the low-times-low term, under 2^-16 of the product, is
+   left out). Every output is the same sequence of tile operations whatever the row count
+   above the tiled threshold and the thread count: a row's bits do not depend on the other
+   rows of a tiled call. They are not the vector path's bits (see int4_kernel.py). */
+#define TILE 16          /* rows and columns of a tile */
+#define TILE_STEP 32     /* k values per tile step (16 bf16 pairs) */
+#define TILE_BLOCK_N 128 /* weight rows dequantized per pass */
+#define TILE_CHUNK 16    /* k-steps per pass (512 k values) */
+#define TILE_ROWS_PER_PASS 256 /* activation rows per call of the tiles */
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+} TileConfig;
+
+static int tiles_permitted = -1; /* -1: not asked yet */
+
+/* Linux lends the tile registers to a process that asks (once; every thread may then use
+   them). */
+static int tiles_ready(void) {
+  if (tiles_permitted < 0) {
+    const long XFEATURE_XTILEDATA = 18, ARCH_REQ_XCOMP_PERM = 0x1023;
+    tiles_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }
+  return tiles_permitted;
+}
+
+static void tiles_configure(void) {
+  TileConfig config;
+  memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 8; t++) {
+    config.rows[t] = TILE;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+/* v as a high and a low bf16 (v - high, exact for the values above). */
+static inline void split_bf16(__m512 v, __m256bh *high, __m256bh *low) {
+  *high = _mm512_cvtneps_pbh(v);
+  const __m512 back =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)*high), 16));
+  *low = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
+}
+
+/* A call's activations as the tiles read them: for each k-step and each 16 rows, the high
+   tile then the low one, each 16 bf16 pairs (k, k + 1) by 16 rows; rows past the call's are
+   zero. An asymmetric weight's extra k-steps hold each group's activation sum. */
+static void tiles_activations(const float *x, const float *xsum, int64_t rows, int64_t k,
+                              int64_t steps, int64_t padded_rows, uint16_t *out) {
+  const int64_t groups = k / GROUP, row_tiles = padded_rows / TILE;
+  memset(out, 0, (size_t)steps * padded_rows * TILE_STEP * 2 * sizeof *out);
+  const __m512i pair_rows = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(TILE));
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t s = 0; s < steps; s++) {
+      __m512 v[2];
+      if (s < groups) {
+        v[0] = _mm512_loadu_ps(x + r * k + TILE_STEP * s);
+        v[1] = _mm512_loadu_ps(x + r * k + TILE_STEP * s + TILE);
+      } else { /* the groups' sums, then zeros */
+        const int64_t g0 = TILE_STEP * (s - groups);
+        for (int h = 0; h < 2; h++) {
+          const int64_t from = g0 + TILE * h, left = groups - from;
+          const __mmask16 mask =
+              left >= TILE ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+          v[h] = _mm512_maskz_loadu_ps(mask, xsum + r * groups + (left > 0 ? from : 0));
+        }
+      }
+      __m256bh high[2], low[2];
+      split_bf16(v[0], &high[0], &low[0]);
+      split_bf16(v[1], &high[1], &low[1]);
+      uint16_t *tile = out + ((s * row_tiles + r / TILE) * 2) * TILE * TILE_STEP;
+      const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)high[0]),
+                                            (__m256i)high[1], 1);
+      const __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)low[0]),
+                                            (__m256i)low[1], 1);
+      _mm512_i32scatter_epi32(tile + 2 * (r % TILE), pair_rows, hi, 4);
+      _mm512_i32scatter_epi32(tile + TILE * TILE_STEP + 2 * (r % TILE), pair_rows, lo, 4);
+    }
+}
+
+/* Weight rows n0..n0+count-1 (zero past the job's last), k-steps s0..s1-1, as high and low
+   bf16 rows of TILE_CHUNK * TILE_STEP values. */
+static void tiles_weights(const Job *job, int64_t n0, int64_t count, int64_t s0, int64_t s1,
+                          uint16_t *high, uint16_t *low) {
+  const int64_t k = job->k, groups = k / GROUP, width = TILE_CHUNK * TILE_STEP;
+  const int64_t stride = (job->symmetric ? 1 : 2) * groups;
+  const __m512i nibble = _mm512_set1_epi32(0x0f);
+  const __m512 eight = _mm512_set1_ps(job->symmetric ? 8.0f : 0.0f);
+  for (int64_t j = 0; j < TILE_BLOCK_N; j++) {
+    uint16_t *h = high + j * width, *l = low + j * width;
+    const int64_t n = n0 + j;
+    if (j >= count) {
+      memset(h, 0, (size_t)width * sizeof *h);
+      memset(l, 0, (size_t)width * sizeof *l);
+      continue;
+    }
+    const uint16_t *scales = job->scale_min + n * stride;
+    for (int64_t s = s0; s < s1; s++) {
+      __m512 v[2];
+      if (s < groups) {
+        const __m512i b =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(job->codes + n * (k / 2) +
+                                                                   16 * s)));
+        const __m512 scale = _mm512_set1_ps(_cvtsh_ss(scales[s]));
+        v[0] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, nibble)), eight),
+                             scale);
+        v[1] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), eight),
+                             scale);
+      } else { /* the minimums, then zeros */
+        const int64_t g0 = TILE_STEP * (s - groups);
+        for (int hh = 0; hh < 2; hh++) {
+          const int64_t from = g0 + TILE * hh, left = groups - from;
+          const __mmask16 mask =
+              left >= TILE ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+          v[hh] = _mm512_cvtph_ps(
+              _mm256_maskz_loadu_epi16(mask, scales + groups + (left > 0 ? from : 0)));
+        }
+      }
+      __m256bh vh[2], vl[2];
+      split_bf16(v[0], &vh[0], &vl[0]);
+      split_bf16(v[1], &vh[1], &vl[1]);
+      const int64_t at = (s - s0) * TILE_STEP;
+      _mm256_storeu_si256((__m256i *)(h + at), (__m256i)vh[0]);
+      _mm256_storeu_si256((__m256i *)(h + at + TILE), (__m256i)vh[1]);
+      _mm256_storeu_si256((__m256i *)(l + at), (__m256i)vl[0]);
+      _mm256_storeu_si256((__m256i *)(l + at + TILE), (__m256i)vl[1]);
+    }
+  }
+}
+
+/* 32 weight rows by 32 activation rows over k-steps s0..s1-1: tiles 0-3 hold the sums. */
+static inline void tiles_block(const uint16_t *wh, const uint16_t *wl, const uint16_t *xt,
+                               int64_t row_tiles, int64_t mt, int64_t s0, int64_t s1) {
+  const int64_t width = TILE_CHUNK * TILE_STEP * 2; /* bytes per weight row */
+  const int64_t tile = TILE * TILE_STEP;            /* uint16 per tile */
+  for (int64_t s = s0; s < s1; s++) {
+    const uint16_t *a = xt + ((s * row_tiles + mt) * 2) * tile;
+    const uint16_t *b = xt + ((s * row_tiles + mt + 1) * 2) * tile;
+    const int64_t at = (s - s0) * TILE_STEP;
+    _tile_loadd(4, wh + at, width);
+    _tile_loadd(5, wh + TILE * width / 2 + at, width);
+    _tile_loadd(6, a, 64);
+    _tile_loadd(7, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(4, wl + at, width);
+    _tile_loadd(5, wl + TILE * width / 2 + at, width);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(4, wh + at, width);
+    _tile_loadd(5, wh + TILE * width / 2 + at, width);
+    _tile_loadd(6, a + tile, 64);
+    _tile_loadd(7, b + tile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+/* The job's columns through the tiles: for each block of TILE_BLOCK_N weight rows, the
+   k-steps a chunk at a time (each chunk's weights dequantized once), every output's sums
+   kept between chunks in `sums` (one [16][16] tile per 16 weight rows and 16 activation
+   rows), then written out. The chunks run in k order, so blocking changes no bit. */
+static void tiles_job(const Job *job) {
+  const int64_t row_tiles = job->padded_rows / TILE, width = TILE_CHUNK * TILE_STEP;
+  const int64_t col_tiles = TILE_BLOCK_N / TILE, tile_floats = TILE * TILE;
+  uint16_t *high = job->tiles_w, *low = high + TILE_BLOCK_N * width;
+  float *sums = job->tiles_sums;
+  tiles_configure();
+  for (int64_t n0 = job->n0; n0 < job->n1; n0 += TILE_BLOCK_N) {
+    const int64_t count = job->n1 - n0 < TILE_BLOCK_N ? job->n1 - n0 : TILE_BLOCK_N;
+    const int64_t used = (count + 2 * TILE - 1) / (2 * TILE) * 2 * TILE;
+    for (int64_t s0 = 0; s0 < job->steps; s0 += TILE_CHUNK) {
+      const int64_t s1 = job->steps - s0 < TILE_CHUNK ? job->steps : s0 + TILE_CHUNK;
+      tiles_weights(job, n0, count, s0, s1, high, low);
+      for (int64_t mt = 0; mt < row_tiles; mt += 2)
+        for (int64_t ct = 0; ct < used / TILE; ct += 2) {
+          float *c[4] = {sums + (mt * col_tiles + ct) * tile_floats,
+                         sums + ((mt + 1) * col_tiles + ct) * tile_floats,
+                         sums + (mt * col_tiles + ct + 1) * tile_floats,
+                         sums + ((mt + 1) * col_tiles + ct + 1) * tile_floats};
+          if (s0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else {
+            _tile_loadd(0, c[0], 64);
+            _tile_loadd(1, c[1], 64);
+            _tile_loadd(2, c[2], 64);
+            _tile_loadd(3, c[3], 64);
+          }
+          tiles_block(high + ct * TILE * width, low + ct * TILE * width, job->tiles_x,
+                      row_tiles, mt, s0, s1);
+          _tile_stored(0, c[0], 64);
+          _tile_stored(1, c[1], 64);
+          _tile_stored(2, c[2], 64);
+          _tile_stored(3, c[3], 64);
+        }
+    }
+    /* A sums tile is [weight row][activation row]: write it out transposed. */
+    for (int64_t r = 0; r < job->rows; r++) {
+      float *out = job->out + r * job->n + n0;
+      const float *from = sums + (r / TILE) * col_tiles * tile_floats + r % TILE;
+      for (int64_t j = 0; j < count; j++)
+        out[j] = from[(j / TILE) * tile_floats + (j % TILE) * TILE];
+    }
+  }
+  _tile_release();
+}
+#endif
+
 static void run_job(const Job *job) {
+#ifdef KVCHAT_TILES
+  if (job->tiles_x != NULL) {
+    tiles_job(job);
+    return;
+  }
+#endif
 #ifdef KVCHAT_AVX512
   /* A few rows (a decode step) gain nothing from pairing what they read once: the AVX2 code
      serves them, and any rows when the pairs' buffer cannot be had. The buffer is aligned to
@@ -480,7 +726,67 @@ void kvchat_int4_matmul(const float *x, int64_t rows, int64_t k, const uint8_t *
   const int64_t per = (n + threads - 1) / threads;
   for (int32_t t = 0; t < threads; t++) {
     const int64_t n0 = t * per < n ? t * per : n, n1 = (t + 1) * per < n ? (t + 1) * per : n;
-    jobs[t] = (Job){x, xsum, rows, k, codes, scale_min, symmetric, n, out, n0, n1};
+    jobs[t] = (Job){x, xsum, rows, k, codes, scale_min, symmetric, n, out, n0, n1, NULL, 0, 0, NULL, NULL};
   }
   run_jobs(jobs, threads);
+}
+
+/* Whether kvchat_int4_matmul_tiles can run here: built with the tile instructions, and the
+   kernel lent the tile registers. */
+int32_t kvchat_int4_tiles_ready(void) {
+#ifdef KVCHAT_TILES
+  return tiles_ready();
+#else
+  return 0;
+#endif
+}
+
+/* kvchat_int4_matmul through the tiles (see above); returns 0, or -1 when the tiles are not
+   ready or its buffers could not be had (nothing is written then). */
+int32_t kvchat_int4_matmul_tiles(const float *x, int64_t rows, int64_t k, const uint8_t *codes,
+                                 const uint16_t *scale_min, int32_t symmetric, int64_t n,
+                                 float *out, float *xsum, int32_t threads) {
+#ifdef KVCHAT_TILES
+  if (!tiles_ready()) return -1;
+  const int64_t groups = k / GROUP;
+  const int64_t steps = groups + (symmetric ? 0 : (groups + TILE_STEP - 1) / TILE_STEP);
+  const int64_t padded_rows = (rows + 2 * TILE - 1) / (2 * TILE) * 2 * TILE;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  if (threads < 1) threads = 1;
+  if (rows > TILE_ROWS_PER_PASS) { /* rows are independent: a pass at a time bounds the buffers */
+    for (int64_t r = 0; r < rows; r += TILE_ROWS_PER_PASS) {
+      const int64_t take = rows - r < TILE_ROWS_PER_PASS ? rows - r : TILE_ROWS_PER_PASS;
+      if (kvchat_int4_matmul_tiles(x + r * k, take, k, codes, scale_min, symmetric, n,
+                                   out + r * n, xsum + r * groups, threads) != 0)
+        return -1;
+    }
+    return 0;
+  }
+  /* The activations, then each job's weights and sums (multiples of 64 bytes). */
+  const size_t x_bytes = (size_t)steps * padded_rows * TILE_STEP * 2 * sizeof(uint16_t);
+  const size_t w_bytes = 2 * TILE_BLOCK_N * TILE_CHUNK * TILE_STEP * sizeof(uint16_t);
+  const size_t sums_bytes = (size_t)padded_rows * TILE_BLOCK_N * sizeof(float);
+  uint8_t *buffer = aligned_alloc(64, x_bytes + threads * (w_bytes + sums_bytes));
+  if (buffer == NULL) return -1;
+  uint16_t *tiles_x = (uint16_t *)buffer;
+  if (!symmetric) group_sums(x, rows, k, xsum);
+  tiles_activations(x, xsum, rows, k, steps, padded_rows, tiles_x);
+  Job jobs[MAX_THREADS];
+  /* Threads split the columns in whole blocks of 32. */
+  const int64_t blocks = (n + 2 * TILE - 1) / (2 * TILE);
+  const int64_t per = (blocks + threads - 1) / threads * 2 * TILE;
+  for (int32_t t = 0; t < threads; t++) {
+    const int64_t n0 = t * per < n ? t * per : n, n1 = (t + 1) * per < n ? (t + 1) * per : n;
+    uint8_t *own = buffer + x_bytes + t * (w_bytes + sums_bytes);
+    jobs[t] = (Job){x,     xsum, rows, k, codes, scale_min, symmetric, n, out, n0, n1, tiles_x,
+                    padded_rows, steps, (uint16_t *)own, (float *)(own + w_bytes)};
+  }
+  run_jobs(jobs, threads);
+  free(buffer);
+  return 0;
+#else
+  (void)x, (void)rows, (void)k, (void)codes, (void)scale_min, (void)symmetric, (void)n;
+  (void)out, (void)xsum, (void)threads;
+  return -1;
+#endif
 }

@@ -32,10 +32,12 @@ from kvchat.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("int4_kernel.c")
 GROUP = 32
+TILED_ROWS = 64  # the fewest rows a tiled call takes: below, the vector path is as fast
 REPACK_BYTES = 2**20  # packed bytes rewritten at a time by kernel_form
 
 __all__ = [
     "SOURCE",
+    "TILED_ROWS",
     "available",
     "full_form",
     "function_address",
@@ -43,6 +45,8 @@ __all__ = [
     "load",
     "matmul",
     "minimums",
+    "takes_tiles",
+    "tiles_available",
 ]
 
 _library: ctypes.CDLL | None | bool = False  # False: not looked for yet
@@ -59,6 +63,12 @@ def load(path: Path) -> ctypes.CDLL | None:
     i32 = ctypes.c_int32
     function.argtypes = [ptr, i64, i64, ptr, ptr, i32, i64, ptr, ptr, i32]
     function.restype = None
+    tiled = getattr(library, "kvchat_int4_matmul_tiles", None)
+    if tiled is not None:
+        tiled.argtypes = function.argtypes
+        tiled.restype = i32
+        library.kvchat_int4_tiles_ready.argtypes = []
+        library.kvchat_int4_tiles_ready.restype = i32
     return library
 
 
@@ -77,6 +87,26 @@ def _kernel() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether CPU int4 layers run this kernel (builds it if need be)."""
     return _kernel() is not None
+
+
+_tiles: bool | None = None
+
+
+def tiles_available() -> bool:
+    """Whether ``matmul(..., tiled=True)`` can take the tiled path here: the kernel is built
+    with AMX tiles, Linux lends them, and ``KVCHAT_INT4_TILES`` is not 0."""
+    global _tiles
+    if _tiles is None:
+        from kvchat.engine.kvdirect.exact_attention import switched_on
+
+        kernel = _kernel()
+        _tiles = bool(
+            kernel is not None
+            and switched_on("KVCHAT_INT4_TILES")
+            and hasattr(kernel, "kvchat_int4_tiles_ready")
+            and kernel.kvchat_int4_tiles_ready() == 1
+        )
+    return _tiles
 
 
 def function_address() -> int:
@@ -136,16 +166,36 @@ def minimums(scale_min: torch.Tensor) -> torch.Tensor:
     return scale_min[:, 0].float() * -8
 
 
+def takes_tiles(rows: int) -> bool:
+    """Whether a ``tiled=True`` call of ``rows`` rows runs the tiled path."""
+    return rows >= TILED_ROWS and tiles_available()
+
+
 def matmul(
-    rows: torch.Tensor, codes: torch.Tensor, scale_min: torch.Tensor, out_features: int
+    rows: torch.Tensor,
+    codes: torch.Tensor,
+    scale_min: torch.Tensor,
+    out_features: int,
+    *,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """``rows @ W.T`` in float32 (``rows`` ``[M, K]``; ``codes``/``scale_min`` may be a row
-    range of a larger contiguous weight)."""
+    range of a larger contiguous weight). ``tiled``: through the tiles where
+    :func:`takes_tiles` says so (see the module's docstring)."""
     kernel = _kernel()
     x = rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.float().contiguous()
     m, k = x.shape
     out = torch.empty(m, out_features)
     scratch = torch.empty(m * (k // GROUP))
+    if tiled and takes_tiles(m):
+        failed = kernel.kvchat_int4_matmul_tiles(
+            x.data_ptr(), m, k, codes.data_ptr(), scale_min.data_ptr(),
+            int(scale_min.shape[1] == 1), out_features, out.data_ptr(), scratch.data_ptr(),
+            kernel_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"no memory for the int4 kernel's buffers ({m} rows)")
+        return out
     kernel.kvchat_int4_matmul(
         x.data_ptr(), m, k, codes.data_ptr(), scale_min.data_ptr(), int(scale_min.shape[1] == 1),
         out_features, out.data_ptr(), scratch.data_ptr(), kernel_threads(),

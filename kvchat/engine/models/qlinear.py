@@ -46,8 +46,19 @@ HEAD_REFINE_TOP = 16
 # decode step (kvchat.threads): SmolLM2's 28 MB int8 head (its largest decoder layer is
 # 0.4 MB). Both kernels give the same bits on one thread as on two at one row.
 WIDE_BYTES = 8 * 2**20
+# The projections the cache replays from residual checkpoints, several calls' rows at once
+# (``kvchat.engine.kvdirect.arch``): they keep one summation order for any row count, so
+# never take the int4 kernel's tiled path.
+REPLAYED_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "c_attn")
+
+
+def may_tile(name: str) -> bool:
+    """Whether the layer at module path ``name`` may take the int4 kernel's tiled path."""
+    return name.rsplit(".", 1)[-1] not in REPLAYED_PROJECTIONS
+
 
 __all__ = [
+    "REPLAYED_PROJECTIONS",
     "GROUP",
     "HEAD_REFINE_TOP",
     "Int4Embedding",
@@ -58,6 +69,7 @@ __all__ = [
     "int4_holds",
     "int4_mm",
     "is_int4",
+    "may_tile",
     "int4_supported",
     "int8_mm",
     "quantize_int4",
@@ -275,7 +287,11 @@ class Int4Linear(nn.Module):
 
     ``float_output`` (an output head): kvchat's kernel's float32 outputs are returned as they
     are, not rounded to a bf16 model's dtype, where near-tied logits would tie (see
-    :class:`Int8Linear`)."""
+    :class:`Int8Linear`).
+
+    ``tiled``: calls of many rows (a prefill chunk) may take kvchat's kernel's tiled path
+    (``int4_kernel``'s docstring), several times faster but not the one-row path's bits. The
+    loader turns it off for :data:`REPLAYED_PROJECTIONS`."""
 
     def __init__(
         self,
@@ -283,6 +299,7 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None,
         *,
         float_output: bool = False,
+        tiled: bool = True,
     ) -> None:
         super().__init__()
         self.float_output = float_output
@@ -295,6 +312,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("packed", codes)
             self.register_buffer("scale_min", scale_min)
             self.form = "kvchat"
+            self.tiled = tiled and int4_kernel.tiles_available()
         elif packed.is_cpu:
             scales, zeros = scales_and_zeros(parts)
             self.register_buffer(
@@ -311,12 +329,14 @@ class Int4Linear(nn.Module):
                 .to(torch.bfloat16),
             )
             self.form = "torch"
+            self.tiled = False
         else:
             scales, zeros = scales_and_zeros(parts)
             self.register_buffer("packed", packed)
             self.register_buffer("scales", scales)
             self.register_buffer("zeros", zeros)
             self.form = "portable"
+            self.tiled = False
 
     @property
     def portable(self) -> bool:
@@ -325,15 +345,17 @@ class Int4Linear(nn.Module):
     @property
     def rows_independent(self) -> bool:
         """Whether a row's output is the same whatever other rows share the call: true of
-        kvchat's kernel (one summation order for any row count and thread count), which
-        lets the cache replay rows of several forward calls in one
+        kvchat's kernel without its tiled path (one summation order for any row count and
+        thread count), which lets the cache replay rows of several forward calls in one
         (``ArchAdapter.projects_rows_independently``)."""
-        return self.form == "kvchat"
+        return self.form == "kvchat" and not self.tiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.form == "kvchat":
-            y = int4_kernel.matmul(rows, self.packed, self.scale_min, self.out_features)
+            y = int4_kernel.matmul(
+                rows, self.packed, self.scale_min, self.out_features, tiled=self.tiled
+            )
             y = y if self.float_output else y.to(x.dtype)
         elif self.form == "torch":
             y = int4_mm(rows, self.packed, self.scales_and_zeros)

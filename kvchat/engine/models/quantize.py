@@ -86,9 +86,12 @@ def quantize_weights(model: Any, weights: str) -> Any:
             use4 = weights == "int4" and qlinear.int4_supported(module.weight)
             parts = (qlinear.quantize_int4 if use4 else qlinear.quantize_int8)(module.weight)
             parts = {k: v.to(module.weight.device) for k, v in parts.items()}
-            cls = qlinear.Int4Linear if use4 else qlinear.Int8Linear
             bias = None if module.bias is None else module.bias.data
-            _set_module(model, name, cls(parts, bias))
+            if use4:
+                new = qlinear.Int4Linear(parts, bias, tiled=qlinear.may_tile(name))
+            else:
+                new = qlinear.Int8Linear(parts, bias)
+            _set_module(model, name, new)
         tied = head is not None and head.weight is embed.weight
         vocab = qlinear.quantize_int8(embed.weight)
         vocab = {k: v.to(embed.weight.device) for k, v in vocab.items()}

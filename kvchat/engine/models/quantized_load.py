@@ -289,7 +289,7 @@ def _replace_linear(
     bias = getattr(old, "bias", None)
     bias = None if bias is None or bias.device.type == "meta" else bias.data
     if qlinear.is_int4(parts):
-        new = qlinear.Int4Linear(parts, bias, float_output=head)
+        new = qlinear.Int4Linear(parts, bias, float_output=head, tiled=qlinear.may_tile(name))
     else:
         new = qlinear.Int8Linear(parts, bias, qlinear.HEAD_REFINE_TOP if head else 0)
     _set_module(model, name, new)

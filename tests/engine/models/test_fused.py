@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from kvchat.engine.kvdirect.arch import ArchAdapter
-from kvchat.engine.models import qlinear
+from kvchat.engine.models import int4_kernel, qlinear
 from kvchat.engine.models.fused import FusedProjection, ProjectionGroup, fuse_siblings
 from kvchat.engine.models.quantize import is_quantized, quantize_weights
 from kvchat.lab.tiny_models import FAMILIES
@@ -115,3 +115,35 @@ def test_every_family_still_quantizes_and_runs(family):
     model = quantize_weights(tiny_model(family), "int4")
     tokens, _ = run_conversation(model, DynamicCache(config=model.config))
     assert len(tokens) > 0
+
+
+@pytest.mark.skipif(not int4_kernel.tiles_available(), reason="no AMX tiles here")
+def test_a_prefill_call_tiles_q_proj_columns_and_never_the_replayed_ones():
+    """Many rows: the stack's q columns take the tiled path, as q_proj alone does; its k and v
+    columns keep the one-row path's bits, so the cache may still replay them in batches."""
+    torch.manual_seed(0)
+    weights = [torch.randn(n, 64) * 0.1 for n in (128, 64, 64)]
+    tiled = [True, False, False]  # what the loader gives q_proj, k_proj, v_proj
+    alone = [
+        qlinear.Int4Linear(qlinear.quantize_int4(w), None, tiled=t) for w, t in zip(weights, tiled)
+    ]
+    group = ProjectionGroup(alone, (0, 1))
+    members = [FusedProjection(group, i, n) for i, n in enumerate(("q", "k", "v"))]
+    assert [m.rows_independent for m in members] == [False, True, True]
+    x = torch.randn(int4_kernel.TILED_ROWS + 5, 64)
+    with torch.inference_mode():
+        got = [m(x) for m in members]
+        assert all(torch.equal(g, a(x)) for g, a in zip(got, alone))
+        one_row = [torch.cat([a(x[i : i + 1]) for i in range(len(x))]) for a in alone]
+    assert not torch.equal(got[0], one_row[0])
+    assert torch.equal(got[1], one_row[1]) and torch.equal(got[2], one_row[2])
+
+
+def test_the_loader_keeps_replayed_projections_off_the_tiles():
+    model = unfused("llama", "int4")
+    for name, module in model.named_modules():
+        if isinstance(module, qlinear.Int4Linear):
+            replayed = name.rsplit(".", 1)[-1] in ("k_proj", "v_proj")
+            assert module.tiled == (not replayed and int4_kernel.tiles_available()), name
+    adapter = ArchAdapter(model)
+    assert all(adapter.projects_rows_independently(i) for i in range(adapter.num_layers))

@@ -14,10 +14,13 @@ from kvchat.engine.models import int4_kernel, qlinear
 pytestmark = pytest.mark.skipif(not int4_kernel.available(), reason="no C compiler")
 
 
-def _layer(n: int, k: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], qlinear.Int4Linear]:
+def _layer(
+    n: int, k: int, seed: int = 0, *, tiled: bool = False
+) -> tuple[dict[str, torch.Tensor], qlinear.Int4Linear]:
     torch.manual_seed(seed)
     parts = qlinear.quantize_int4(torch.randn(n, k) * 0.05)
-    return parts, qlinear.Int4Linear({name: t.clone() for name, t in parts.items()}, None)
+    clone = {name: t.clone() for name, t in parts.items()}
+    return parts, qlinear.Int4Linear(clone, None, tiled=tiled)
 
 
 def _grid(parts: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -50,22 +53,77 @@ def test_the_kernel_is_close_to_the_stored_weights():
     assert (y.double() - exact).norm() / exact.norm() < 1e-3
 
 
+def _on_threads(layer: qlinear.Int4Linear, x: torch.Tensor, count: int) -> torch.Tensor:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(count)
+        return layer(x)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_rows_bits_do_not_depend_on_the_call_or_the_threads():
     _parts, layer = _layer(1100, 1024, seed=2)  # over a million weights: two threads
+    assert layer.rows_independent
     x = torch.randn(67, 1024)
-    threads = torch.get_num_threads()
     with torch.inference_mode():
         whole = layer(x)
         for size in (1, 3, 4, 5, 16):
             chunks = torch.cat([layer(x[i : i + size]) for i in range(0, 67, size)])
             assert torch.equal(chunks, whole), size
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(layer(x), whole)
-            torch.set_num_threads(3)
-            assert torch.equal(layer(x), whole)
-        finally:
-            torch.set_num_threads(threads)
+        assert torch.equal(_on_threads(layer, x, 1), whole)
+        assert torch.equal(_on_threads(layer, x, 3), whole)
+
+
+tiles = pytest.mark.skipif(not int4_kernel.tiles_available(), reason="no AMX tiles here")
+
+
+@tiles
+def test_a_tiled_rows_bits_do_not_depend_on_the_call_or_the_threads():
+    """Above the threshold a tiled layer's row gets the same bits in any tiled call (a
+    different row count, a pass of 256 rows or several) and on any thread count; below it,
+    the untiled layer's bits. It says it is not row-independent, so the cache replays its
+    calls with their original rows."""
+    _parts, untiled = _layer(1100, 1024, seed=2)
+    _parts, layer = _layer(1100, 1024, seed=2, tiled=True)
+    assert not layer.rows_independent
+    low = int4_kernel.TILED_ROWS
+    x = torch.randn(300, 1024)
+    with torch.inference_mode():
+        whole = layer(x)
+        for start, size in ((0, low), (7, 100), (37, 263)):
+            assert torch.equal(layer(x[start : start + size]), whole[start : start + size])
+        assert torch.equal(_on_threads(layer, x, 1), whole)
+        assert torch.equal(_on_threads(layer, x, 3), whole)
+        few = x[: low - 1]
+        assert torch.equal(layer(few), untiled(few))
+        assert not torch.equal(whole[: low - 1], untiled(few))  # another summation
+
+
+@tiles
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize(("rows", "n", "k"), [(64, 96, 320), (97, 1000, 2560), (300, 40, 1024)])
+def test_the_tiles_compute_the_product_with_the_weights(symmetric, rows, n, k):
+    """Against float64, with GGUF Q4_0 blocks (symmetric) and kvchat's own scale-and-minimum
+    form: row counts off the tiles' 32, columns off their 16 and 128, k past one pass of 512
+    and a group count off 32 (the minimums' extra k-steps), more rows than one pass."""
+    torch.manual_seed(rows + n)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    parts = {"qweight": q[:, 0::2] | (q[:, 1::2] << 4)}
+    parts["scales"] = (torch.rand(n, k // 32) * 0.01 + 1e-3).half()
+    if not symmetric:
+        parts["mins"] = (-torch.rand(n, k // 32) * 0.1).half()
+    codes, scale_min = int4_kernel.kernel_form(parts)
+    assert (scale_min.shape[1] == 1) is symmetric
+    x = torch.randn(rows, k)
+    tiled = int4_kernel.matmul(x, codes, scale_min, n, tiled=True)
+    vector = int4_kernel.matmul(x, codes, scale_min, n)
+    expected = x.double() @ qlinear.dequantize_int4(parts).double().T
+    scale = expected.abs().max()
+    # two bf16 halves keep 16 of an activation's 24 bits: a few parts in a million
+    assert (tiled.double() - expected).abs().max() / scale < 3e-5
+    assert (vector.double() - expected).abs().max() / scale < 3e-6
+    assert not torch.equal(tiled, vector)
 
 
 def test_the_plain_c_build_gives_the_vector_builds_bits(tmp_path):
