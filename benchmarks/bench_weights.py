@@ -83,7 +83,17 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default="results/bench_weights.json")
+    parser.add_argument(
+        "--no-tiles",
+        action="store_true",
+        help="int4 prefill on the one-row vector path (KVCHAT_INT4_TILES=0): what the tiled "
+        "path changes in quality",
+    )
     args = parser.parse_args()
+    if args.no_tiles:
+        import os
+
+        os.environ["KVCHAT_INT4_TILES"] = "0"
 
     from kvchat.engine.models.load import load
     from kvchat.engine.models.resolve import resolve_model

@@ -11,10 +11,12 @@
    minimums, so that W[n][32g + j] = q * scale + min; or, symmetric (a GGUF Q4_0 tensor's
    form), [N][1][K/32]: the scales alone, each group's minimum being -8 * scale.
 
-   Exactness: every output is summed in one fixed order that depends on neither the row count
-   nor the thread count nor the build: a row's result is the same alone or in a prefill chunk,
-   and the plain C below computes the AVX2 code's operations in the AVX2 code's order (fmaf
-   where it uses FMA; built with -ffp-contract=off), so both builds give the same bits. */
+   Exactness: every output of kvchat_int4_matmul is summed in one fixed order that depends on
+   neither the row count nor the thread count nor the build: a row's result is the same alone
+   or in a prefill chunk, and the plain C below computes the AVX2 code's operations in the
+   AVX2 code's order (fmaf where it uses FMA; built with -ffp-contract=off), so both builds
+   give the same bits. kvchat_int4_matmul_tiles (AMX, for calls of many rows) has its own
+   fixed order, the same for any row and thread count, but not this one's. */
 
 #include <math.h>
 #include <pthread.h>
