@@ -488,14 +488,14 @@ static void tiles_weights(const Job *job, int64_t n0, int64_t count, int64_t s0,
               _mm256_maskz_loadu_epi16(mask, scales + groups + (left > 0 ? from : 0)));
         }
       }
-      __m256bh vh[2], vl[2];
-      split_bf16(v[0], &vh[0], &vl[0]);
-      split_bf16(v[1], &vh[1], &vl[1]);
+      /* The high half keeps a weight's top 8 significant bits (cut, not rounded), so the
+         rest, at most 7 bits, is exact in the low half. */
+      const __m512 top = _mm512_castsi512_ps(_mm512_set1_epi32((int)0xffff0000u));
+      const __m512 h0 = _mm512_and_ps(v[0], top), h1 = _mm512_and_ps(v[1], top);
       const int64_t at = (s - s0) * TILE_STEP;
-      _mm256_storeu_si256((__m256i *)(h + at), (__m256i)vh[0]);
-      _mm256_storeu_si256((__m256i *)(h + at + TILE), (__m256i)vh[1]);
-      _mm256_storeu_si256((__m256i *)(l + at), (__m256i)vl[0]);
-      _mm256_storeu_si256((__m256i *)(l + at + TILE), (__m256i)vl[1]);
+      _mm512_storeu_si512(h + at, (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
+      _mm512_storeu_si512(
+          l + at, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(v[1], h1), _mm512_sub_ps(v[0], h0)));
     }
   }
 }
@@ -575,12 +575,20 @@ static void tiles_job(const Job *job) {
           _tile_stored(3, c[3], 64);
         }
     }
-    /* A sums tile is [weight row][activation row]: write it out transposed. */
+    /* A sums tile is [weight row][activation row]: each output row gathers its 16 values
+       from a column of the tile. */
+    const __m512i column = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(TILE));
     for (int64_t r = 0; r < job->rows; r++) {
       float *out = job->out + r * job->n + n0;
       const float *from = sums + (r / TILE) * col_tiles * tile_floats + r % TILE;
-      for (int64_t j = 0; j < count; j++)
-        out[j] = from[(j / TILE) * tile_floats + (j % TILE) * TILE];
+      for (int64_t j = 0; j < count; j += TILE) {
+        const int64_t left = count - j;
+        const __mmask16 mask = left >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        _mm512_mask_storeu_ps(out + j, mask,
+                              _mm512_i32gather_ps(column, from + (j / TILE) * tile_floats, 4));
+      }
     }
   }
   _tile_release();
