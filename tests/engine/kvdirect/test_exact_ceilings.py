@@ -19,6 +19,7 @@ import kvchat.engine.chat.generate as generate_module
 from kvchat.engine.chat.session import ChatSession
 from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
 from kvchat.engine.kvdirect import exact_attention
+from kvchat.engine.models import int4_kernel
 from tests.conftest import transformers_own_model
 from tests.engine.kvdirect.test_disk_tier import long_text
 
@@ -110,6 +111,11 @@ def test_default_model_quantized_every_ceiling(smollm2_quantized, tmp_path, monk
     assert_every_ceiling_exact(
         smollm2_quantized, [4_000_000, 2_000_000, 1_000_000, 8_000_000], tmp_path, monkeypatch
     )
+    # The chat's calls take both of the int4 kernel's paths: the first prompt's chunks the
+    # tiled one (on a CPU with AMX tiles), the later prompts and the decode steps the other.
+    _, _, rows = reference(smollm2_quantized, "kvdirect", tmp_path, monkeypatch)
+    assert max(rows) >= int4_kernel.TILED_ROWS
+    assert any(1 < r < int4_kernel.TILED_ROWS for r in rows)
 
 
 def test_ceilings_that_hold_the_chat_with_and_without_the_reserve(
