@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from kvchat.engine.kvdirect.disk_tier import DiskRows, SpillArea, read_rows, tensor_view
+from kvchat.engine.kvdirect.disk_tier import DiskRows, RowFile, SpillArea, read_rows, tensor_view
 from kvchat.errors import StorageError
 
 MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
@@ -148,6 +148,43 @@ def sub_rows(where: DiskRows, r0: int, r1: int) -> DiskRows:
     return DiskRows(
         where.file, where.offset + r0 * row_bytes, (1, r1 - r0, where.shape[-1]), where.dtype
     )
+
+
+class _ReadRun:
+    """Parts of pieces on disk that lie back to back both in one file and in the window's
+    buffer, read with one call (most of a window's parts do: rows spilled in order sit in
+    order), so a long run is one read, split over two threads (``RowFile.read_into``),
+    instead of one small read per part. Each piece's digest still covers its parts in order
+    and is checked with its last part."""
+
+    def __init__(self, flat: torch.Tensor, check: Callable[[Piece, int], None]) -> None:
+        self.flat = flat
+        self.check = check
+        self.parts: list[tuple[int, int, Piece, xxhash.xxh3_64, bool]] = []
+        self.file: RowFile | None = None
+        self.offset = self.at = self.end = 0  # the run's file offset, buffer start and end
+
+    def add(
+        self, part: DiskRows, at: int, piece: Piece, hasher: xxhash.xxh3_64, last: bool
+    ) -> None:
+        joins = part.file is self.file and part.offset == self.offset + (self.end - self.at)
+        if not (self.parts and joins and at == self.end):
+            self.finish()
+            self.file, self.offset, self.at, self.end = part.file, part.offset, at, at
+        self.parts.append((at, part.nbytes, piece, hasher, last))
+        self.end += part.nbytes
+
+    def finish(self) -> None:
+        """Read the run and check the digests of the pieces it completes."""
+        if not self.parts:
+            return
+        self.file.read_into(tensor_view(self.flat[self.at : self.end]), self.offset)
+        for at, nbytes, piece, hasher, last in self.parts:
+            hasher.update(tensor_view(self.flat[at : at + nbytes]))
+            if last:
+                self.check(piece, hasher.intdigest())
+        self.parts.clear()
+        self.file = None
 
 
 def _release_spill(piece: Piece) -> None:
@@ -349,6 +386,7 @@ class RowStore:
         flat = buffer(rows_per_window * row_bytes)
         filled = 0  # rows of the current window in ``flat``
         window_first = begin
+        reads = _ReadRun(flat, self._check)
         for piece in pieces:
             if piece.width != width or piece.dtype != dtype:
                 raise ValueError(f"layer {self.layer_idx}: pieces of one window differ in layout")
@@ -376,20 +414,19 @@ class RowStore:
                         dest.view(dtype).view(1, b - a, width).copy_(rows)
                 else:
                     part = sub_rows(piece.disk, a - piece.start, b - piece.start)
-                    part.file.read_into(tensor_view(dest), part.offset)
-                    hasher.update(tensor_view(dest))
-                    if b == piece.end:
-                        self._check(piece, hasher.intdigest())
+                    reads.add(part, at, piece, hasher, b == piece.end)
                 if not visible:
                     continue
                 filled += b - a
                 if filled == rows_per_window or b == end:
+                    reads.finish()
                     yield (
                         window_first,
                         flat[: filled * row_bytes].view(dtype).view(1, filled, width),
                     )
                     window_first += filled
                     filled = 0
+        reads.finish()
         if filled:
             yield window_first, flat[: filled * row_bytes].view(dtype).view(1, filled, width)
 

@@ -136,6 +136,47 @@ def test_a_changed_row_before_the_first_window_is_still_caught(tmp_path):
     spill.close()
 
 
+def test_pieces_back_to_back_on_disk_are_read_in_one_call_and_each_still_checked(
+    tmp_path, monkeypatch
+):
+    """Pieces spilled one after another (kept apart here by a small piece size) lie back to
+    back in the file: a window that holds them is one read, and a byte changed in any of
+    them is still caught."""
+    from kvchat.engine.kvdirect import disk_tier
+
+    store = RowStore(0)
+    store.max_piece_rows = 4
+    spill = SpillArea(tmp_path)
+    everything = rows(20, seed=3)
+    for at in range(0, 20, 4):
+        store.append(Piece(at, "kv", everything[:, at : at + 4].clone()))
+        store.move_out(4 * 6 * 4, spill)  # each piece out on its own, as decode spills them
+    assert len(store.pieces) == 5 and all(p.resident is None for p in store.pieces)
+    calls = []
+    original = disk_tier.RowFile.read_into
+
+    def counted(self, buffer, offset):
+        calls.append(len(buffer))
+        return original(self, buffer, offset)
+
+    monkeypatch.setattr(disk_tier.RowFile, "read_into", counted)
+
+    def windows(begin: int) -> list[torch.Tensor]:
+        scratch = torch.empty(20 * 6 * 4, dtype=torch.uint8)
+        out = store.load_windows(store.pieces_in(begin, 20), begin, 20, 20, lambda n: scratch)
+        return [part.clone() for _, part in out]
+
+    (whole,) = windows(0)
+    assert torch.equal(whole, everything) and len(calls) == 1
+    path = store.pieces[3].disk.file.path
+    data = bytearray(path.read_bytes())
+    data[store.pieces[3].disk.offset + 5] ^= 0x01  # inside the fourth piece of the run
+    path.write_bytes(bytes(data))
+    with pytest.raises(StorageError, match="checksum mismatch in layer 0's rows 12-16"):
+        windows(0)
+    spill.close()
+
+
 GREEDY = SamplingSettings(max_new_tokens=12)
 PROMPTS = ("Name three rivers.", "Which is longest?", "And the shortest?", "Thanks. Why?")
 TIGHT = CacheSettings(max_mem=10**6, prefill_chunk=16)  # K/V spill from the first turn
