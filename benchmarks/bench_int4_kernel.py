@@ -24,6 +24,7 @@ import argparse
 import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -45,6 +46,17 @@ SHAPES = [
 ]
 
 
+def random_int4(n: int, k: int, g: Any) -> dict[str, Any]:
+    """kvchat's stored int4 form (group 32) of random codes, scales and zeros."""
+    import torch
+
+    return {
+        "qweight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+        "scales": torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3,
+        "zeros": torch.randn(n, k // 32, generator=g) * 0.01,
+    }
+
+
 def main() -> None:
     import torch
 
@@ -64,11 +76,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, n, k in SHAPES:
         g = torch.Generator().manual_seed(0)
-        parts = {
-            "qweight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
-            "scales": torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3,
-            "zeros": torch.randn(n, k // 32, generator=g) * 0.01,
-        }
+        parts = random_int4(n, k, g)
         codes, scale_min = int4_kernel.kernel_form(parts)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             torch.stack([parts["qweight"] & 15, parts["qweight"] >> 4], -1).reshape(n, k).int(),
@@ -118,12 +126,7 @@ def tiled_table(repeats: int) -> list[dict]:
         if n > 100_000:
             continue
         g = torch.Generator().manual_seed(1)
-        parts = {
-            "qweight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
-            "scales": torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3,
-            "zeros": torch.randn(n, k // 32, generator=g) * 0.01,
-        }
-        codes, scale_min = int4_kernel.kernel_form(parts)
+        codes, scale_min = int4_kernel.kernel_form(random_int4(n, k, g))
         for m in (64, 256):
             x = torch.randn(m, k, generator=g)
             calls = 20 if n * k < 2e6 else 2

@@ -500,37 +500,38 @@ static void tiles_weights(const Job *job, int64_t n0, int64_t count, int64_t s0,
   }
 }
 
+/* Tiles 0-3 (the sums of two weight tiles, 4 and 5, by two activation tiles, 6 and 7) plus
+   their products. */
+static inline __attribute__((always_inline)) void tiles_products(void) {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 /* 32 weight rows by 32 activation rows over k-steps s0..s1-1: tiles 0-3 hold the sums. */
 static inline void tiles_block(const uint16_t *wh, const uint16_t *wl, const uint16_t *xt,
                                int64_t row_tiles, int64_t mt, int64_t s0, int64_t s1) {
   const int64_t width = TILE_CHUNK * TILE_STEP * 2; /* bytes per weight row */
   const int64_t tile = TILE * TILE_STEP;            /* uint16 per tile */
+  const int64_t second = TILE * TILE_CHUNK * TILE_STEP; /* the second weight tile's rows */
   for (int64_t s = s0; s < s1; s++) {
     const uint16_t *a = xt + ((s * row_tiles + mt) * 2) * tile;
     const uint16_t *b = xt + ((s * row_tiles + mt + 1) * 2) * tile;
     const int64_t at = (s - s0) * TILE_STEP;
-    _tile_loadd(4, wh + at, width);
-    _tile_loadd(5, wh + TILE * width / 2 + at, width);
+    _tile_loadd(4, wh + at, width); /* high weights by high activations */
+    _tile_loadd(5, wh + second + at, width);
     _tile_loadd(6, a, 64);
     _tile_loadd(7, b, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(4, wl + at, width);
-    _tile_loadd(5, wl + TILE * width / 2 + at, width);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(4, wh + at, width);
-    _tile_loadd(5, wh + TILE * width / 2 + at, width);
+    tiles_products();
+    _tile_loadd(4, wl + at, width); /* low weights by high activations */
+    _tile_loadd(5, wl + second + at, width);
+    tiles_products();
+    _tile_loadd(4, wh + at, width); /* high weights by low activations */
+    _tile_loadd(5, wh + second + at, width);
     _tile_loadd(6, a + tile, 64);
     _tile_loadd(7, b + tile, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    tiles_products();
   }
 }
 
