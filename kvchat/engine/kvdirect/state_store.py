@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from kvchat.engine.kvdirect.disk_tier import DiskRows, RowFile, SpillArea, read_rows, tensor_view
+from kvchat.engine.kvdirect.disk_tier import DiskRows, SpillArea, read_rows, tensor_view
 from kvchat.errors import StorageError
 
 MAX_PIECE_ROWS = 256  # K/V rows spilled into one piece: bounds one read (and its check)
@@ -151,40 +151,37 @@ def sub_rows(where: DiskRows, r0: int, r1: int) -> DiskRows:
 
 
 class _ReadRun:
-    """Parts of pieces on disk that lie back to back both in one file and in the window's
-    buffer, read with one call (most of a window's parts do: rows spilled in order sit in
-    order), so a long run is one read, split over two threads (``RowFile.read_into``),
-    instead of one small read per part. Each piece's digest still covers its parts in order
-    and is checked with its last part."""
+    """Parts of pieces on disk that lie back to back in the window's buffer, read together
+    through ``read_rows`` (which reads parts adjacent in one file with one call: most of a
+    window's parts are, rows spilled in order sitting in order), so a long run is one read
+    split over two threads instead of one small read per part. Each piece's digest still
+    covers its parts in order and is checked with its last part."""
 
     def __init__(self, flat: torch.Tensor, check: Callable[[Piece, int], None]) -> None:
         self.flat = flat
         self.check = check
-        self.parts: list[tuple[int, int, Piece, xxhash.xxh3_64, bool]] = []
-        self.file: RowFile | None = None
-        self.offset = self.at = self.end = 0  # the run's file offset, buffer start and end
+        self.parts: list[tuple[DiskRows, int, Piece, xxhash.xxh3_64, bool]] = []
 
     def add(
         self, part: DiskRows, at: int, piece: Piece, hasher: xxhash.xxh3_64, last: bool
     ) -> None:
-        joins = part.file is self.file and part.offset == self.offset + (self.end - self.at)
-        if not (self.parts and joins and at == self.end):
-            self.finish()
-            self.file, self.offset, self.at, self.end = part.file, part.offset, at, at
-        self.parts.append((at, part.nbytes, piece, hasher, last))
-        self.end += part.nbytes
+        if self.parts:
+            previous, previous_at = self.parts[-1][:2]
+            if at != previous_at + previous.nbytes:
+                self.finish()
+        self.parts.append((part, at, piece, hasher, last))
 
     def finish(self) -> None:
         """Read the run and check the digests of the pieces it completes."""
         if not self.parts:
             return
-        self.file.read_into(tensor_view(self.flat[self.at : self.end]), self.offset)
-        for at, nbytes, piece, hasher, last in self.parts:
-            hasher.update(tensor_view(self.flat[at : at + nbytes]))
+        start = self.parts[0][1]
+        rows = read_rows([p[0] for p in self.parts], "cpu", into=self.flat[start:])
+        for (_, _, piece, hasher, last), read in zip(self.parts, rows):
+            hasher.update(tensor_view(read))
             if last:
                 self.check(piece, hasher.intdigest())
         self.parts.clear()
-        self.file = None
 
 
 def _release_spill(piece: Piece) -> None:
