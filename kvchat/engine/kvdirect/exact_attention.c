@@ -9,7 +9,7 @@
  *   - rows are computed in lanes of LANES, each lane with the same scalar arithmetic, so a
  *     row's bits do not depend on its neighbours (a decode step, a prefill chunk of any
  *     size and a recompute agree);
- *   - threads split the work by (kv head, lane tile), never inside a row.
+ *   - threads split the work by (kv head, run of rows), never inside a row.
  *
  * The arithmetic is spelled out (no -ffast-math, -ffp-contract=off, fmaf where a fused
  * multiply-add is meant) and exp is our own, so a vectorised lane and a scalar one give
@@ -25,9 +25,10 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "worker_pool.h"
 
 #define LANES 16  /* rows per tile in the many-rows layout */
 #define PARTS 16  /* partial sums of a dot product */
@@ -75,8 +76,9 @@ typedef struct {
   int64_t k_head_stride, k_row_stride, v_head_stride, v_row_stride; /* in elements */
   int64_t n_keys, key_pos0;
   float *m, *l, *acc;   /* state: [heads * q_len], [heads * q_len], [heads * q_len][dim] */
-  int64_t tiles_per_head, n_units, next_unit;
-  pthread_mutex_t lock;
+  int64_t unit_rows;      /* rows of a kv head per unit of work: LANES, fewer to share few rows */
+  int64_t units_per_head, n_units;
+  atomic_llong next_unit;
 } Job;
 
 static inline void load_row(const void *base, int32_t dtype, int64_t at, int64_t dim,
@@ -100,12 +102,12 @@ static inline float tree_sum(float *part) {
   return part[0];
 }
 
-/* Rows of kv head `kv_head` from `first` (at most LANES), state loaded and stored around. */
+/* Rows of kv head `kv_head` from `first` (at most a unit's), state loaded and stored around. */
 static void rows_span(const Job *job, int64_t kv_head, int64_t first, int64_t *row0,
                       int64_t *lanes) {
   const int64_t rows = (job->heads / job->kv_heads) * job->q_len;
   *row0 = kv_head * rows + first; /* a kv head's query rows are adjacent */
-  *lanes = rows - first < LANES ? rows - first : LANES;
+  *lanes = rows - first < job->unit_rows ? rows - first : job->unit_rows;
 }
 
 /* Many rows: LANES rows side by side, each lane one row's scalar arithmetic. */
@@ -867,8 +869,8 @@ static void fold_rows_avx2(const Job *job, int64_t kv_head, int64_t first) {
 #endif
 
 static void fold_unit(Job *job, int64_t unit) {
-  const int64_t kv_head = unit / job->tiles_per_head;
-  const int64_t first = (unit % job->tiles_per_head) * LANES;
+  const int64_t kv_head = unit / job->units_per_head;
+  const int64_t first = (unit % job->units_per_head) * job->unit_rows;
   const int64_t rows = (job->heads / job->kv_heads) * job->q_len;
 #if defined(__AVX512F__)
   if (rows - first < FEW_ROWS)
@@ -888,13 +890,13 @@ static void fold_unit(Job *job, int64_t unit) {
 #endif
 }
 
-static void *worker(void *arg) {
-  Job *job = (Job *)arg;
+/* One thread's share: units taken in turn until none is left. */
+static void fold_units(void *context, int index) {
+  Job *job = (Job *)context;
+  (void)index;
   for (;;) {
-    pthread_mutex_lock(&job->lock);
-    int64_t unit = job->next_unit++;
-    pthread_mutex_unlock(&job->lock);
-    if (unit >= job->n_units) return NULL;
+    const int64_t unit = atomic_fetch_add_explicit(&job->next_unit, 1, memory_order_relaxed);
+    if (unit >= job->n_units) return;
     fold_unit(job, unit);
   }
 }
@@ -908,28 +910,30 @@ void kvchat_attention_fold(const float *q, int64_t heads, int64_t q_len, int64_t
                            int32_t threads) {
   Job job = {q, heads, q_len, dim, kv_heads, q_pos, scale, window, k, v, dtype,
              k_head_stride, k_row_stride, v_head_stride, v_row_stride, n_keys, key_pos0,
-             m, l, acc, 0, 0, 0};
+             m, l, acc, LANES, 0, 0, 0};
   const int64_t rows = (heads / kv_heads) * q_len;
-  job.tiles_per_head = (rows + LANES - 1) / LANES;
-  job.n_units = job.tiles_per_head * kv_heads;
-  /* Threads only where the work is worth starting them (about a millisecond). */
+  /* Handing work to the pool's waiting workers costs a few microseconds: worth it from a
+     fifth of a million multiply-adds (a decode step's few hundred keys). */
   const double work = (double)heads * q_len * (double)n_keys * (double)dim;
   int64_t n_threads = threads;
-  if (work < 4.0e6) n_threads = 1;
+  if (work < 2.0e5) n_threads = 1;
+  if (n_threads > POOL_MAX_THREADS) n_threads = POOL_MAX_THREADS;
+  if (n_threads < 1) n_threads = 1;
+  /* A decode step has a few rows per kv head, one unit each: with fewer kv heads than
+     threads, each head's rows are shared out instead (the threads then read the same keys,
+     each row still folded whole by one thread). */
+  if (rows < FEW_ROWS && kv_heads < n_threads) {
+    const int64_t shares = (n_threads + kv_heads - 1) / kv_heads;
+    job.unit_rows = (rows + shares - 1) / shares;
+  }
+  job.units_per_head = (rows + job.unit_rows - 1) / job.unit_rows;
+  job.n_units = job.units_per_head * kv_heads;
   if (n_threads > job.n_units) n_threads = job.n_units;
-  if (n_threads > 64) n_threads = 64;
   if (n_threads <= 1) {
     for (int64_t unit = 0; unit < job.n_units; unit++) fold_unit(&job, unit);
     return;
   }
-  pthread_mutex_init(&job.lock, NULL);
-  pthread_t ids[64];
-  int64_t started = 0;
-  for (; started < n_threads - 1; started++)
-    if (pthread_create(&ids[started], NULL, worker, &job) != 0) break;
-  worker(&job);
-  for (int64_t i = 0; i < started; i++) pthread_join(ids[i], NULL);
-  pthread_mutex_destroy(&job.lock);
+  pool_run(fold_units, &job, (int)n_threads);
 }
 
 

@@ -35,7 +35,11 @@ from pathlib import Path
 
 import torch
 
+from kvchat.threads import kernel_threads
+
 SOURCE = Path(__file__).with_name("exact_attention.c")
+# The worker threads every kvchat C kernel includes (the int4 kernel too): part of each build.
+POOL_HEADER = Path(__file__).with_name("worker_pool.h")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
 # The portable build: no AVX-512, so the plain C loops run (the same bits, by construction).
 PORTABLE_FLAGS = [f for f in _FLAGS if f != "-march=native"] + ["-mno-avx512f"]
@@ -73,8 +77,10 @@ def compiler() -> str | None:
 
 
 def _machine_key(cc: str, source: Path = SOURCE) -> str:
-    """Source, compiler and this CPU's features: -march=native builds for this processor."""
+    """Source (with the header it includes), compiler and this CPU's features: -march=native
+    builds for this processor."""
     digest = hashlib.sha256(source.read_bytes())
+    digest.update(POOL_HEADER.read_bytes())
     digest.update(f"{cc}|{' '.join(_FLAGS)}|{platform.machine()}|{sys.platform}".encode())
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -93,7 +99,16 @@ def compile_kernel(
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         done = subprocess.run(
-            [cc, *(flags or _FLAGS), str(source), "-o", str(temporary), "-lm", "-pthread"],
+            [
+                cc,
+                *(flags or _FLAGS),
+                f"-I{POOL_HEADER.parent}",
+                str(source),
+                "-o",
+                str(temporary),
+                "-lm",
+                "-pthread",
+            ],  # fmt: skip
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=120,
@@ -209,8 +224,7 @@ class AttentionState:
             self.query.data_ptr(), heads, q_len, dim, kv_heads, self.positions.data_ptr(),
             self.scaling, self.window, key.data_ptr(), value.data_ptr(), _DTYPES[key.dtype],
             key.stride(1), key.stride(2), value.stride(1), value.stride(2), n, key_pos0,
-            self.max.data_ptr(), self.sum.data_ptr(), self.acc.data_ptr(),
-            torch.get_num_threads(),
+            self.max.data_ptr(), self.sum.data_ptr(), self.acc.data_ptr(), kernel_threads(),
         )  # fmt: skip
 
     def finish(self) -> torch.Tensor:

@@ -19,12 +19,11 @@
    fixed order, the same for any row and thread count, but not this one's. */
 
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "worker_pool.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -626,101 +625,12 @@ static void run_job(const Job *job) {
     rows_tile(job, r, job->rows - r < ROW_TILE ? job->rows - r : ROW_TILE);
 }
 
-/* Worker threads kept between calls. Why: a decode step makes a few hundred calls of tens to
-   hundreds of microseconds, and starting a thread per call cost a large share of each. A
-   worker polls for its next job a while (the next call usually comes within that),
-   yielding its core at each poll so that torch's threads, busy between two calls, lose
-   nothing to it (a plain spin took a core from them during prefill), then sleeps on a
-   condition variable. Each worker has its own slot, so a job is only ever seen by the
-   worker it was given to. */
-#define MAX_THREADS 16
-#define SPINS 20000 /* the caller's polls of a worker's slot before it yields its core */
-#define YIELDS 100  /* a worker's polls before sleeping, each giving way to any thread */
+/* The jobs of one call on the pool's threads (worker_pool.h): job i on index i. */
+#define MAX_THREADS POOL_MAX_THREADS
 
-typedef struct {
-  pthread_mutex_t lock;
-  pthread_cond_t wake;
-  pthread_t id;
-  const Job *job;
-  atomic_uint given, done; /* tickets: the worker runs a job when given moves past done */
-} Slot;
+static void run_job_at(void *jobs, int index) { run_job(&((const Job *)jobs)[index]); }
 
-static Slot slots[MAX_THREADS];
-static int workers = 0; /* slots 1..workers have a running thread */
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-
-static inline void relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
-static void *worker_loop(void *arg) {
-  Slot *slot = (Slot *)arg;
-  unsigned seen = atomic_load(&slot->done);
-  for (;;) {
-    for (int i = 0; i < YIELDS && atomic_load_explicit(&slot->given, memory_order_acquire) == seen;
-         i++)
-      sched_yield();
-    pthread_mutex_lock(&slot->lock);
-    while (atomic_load_explicit(&slot->given, memory_order_acquire) == seen)
-      pthread_cond_wait(&slot->wake, &slot->lock);
-    pthread_mutex_unlock(&slot->lock);
-    seen++;
-    run_job(slot->job);
-    atomic_store_explicit(&slot->done, seen, memory_order_release);
-  }
-  return NULL;
-}
-
-/* A child of fork() has none of its parent's workers: start afresh. */
-static void forget_workers(void) {
-  workers = 0;
-  pthread_mutex_init(&pool_lock, NULL);
-}
-
-/* Slots 1..want with running workers, as many as could be started; returns how many. */
-static int start_workers(int want) {
-  static int registered = 0;
-  if (!registered) {
-    pthread_atfork(NULL, NULL, forget_workers);
-    registered = 1;
-  }
-  for (; workers < want; workers++) {
-    Slot *slot = &slots[workers + 1];
-    pthread_mutex_init(&slot->lock, NULL);
-    pthread_cond_init(&slot->wake, NULL);
-    atomic_store(&slot->given, 0);
-    atomic_store(&slot->done, 0);
-    if (pthread_create(&slot->id, NULL, worker_loop, slot) != 0) break;
-  }
-  return workers < want ? workers : want;
-}
-
-/* Runs jobs[0..count-1]: jobs[0] here, the rest on workers; what no worker takes, here. */
-static void run_jobs(const Job *jobs, int count) {
-  /* One caller at a time owns the workers; a concurrent caller runs its jobs itself. */
-  int helpers = 0;
-  const int owner = count > 1 && pthread_mutex_trylock(&pool_lock) == 0;
-  if (owner) helpers = start_workers(count - 1);
-  for (int t = 1; t <= helpers; t++) {
-    Slot *slot = &slots[t];
-    slot->job = &jobs[t];
-    pthread_mutex_lock(&slot->lock);
-    atomic_fetch_add_explicit(&slot->given, 1, memory_order_release);
-    pthread_cond_signal(&slot->wake);
-    pthread_mutex_unlock(&slot->lock);
-  }
-  for (int t = helpers + 1; t < count; t++) run_job(&jobs[t]);
-  run_job(&jobs[0]);
-  for (int t = 1; t <= helpers; t++) {
-    const unsigned ticket = atomic_load(&slots[t].given);
-    for (int i = 0; atomic_load_explicit(&slots[t].done, memory_order_acquire) != ticket; i++)
-      if (i > SPINS) sched_yield();
-      else relax();
-  }
-  if (owner) pthread_mutex_unlock(&pool_lock);
-}
+static void run_jobs(const Job *jobs, int count) { pool_run(run_job_at, (void *)jobs, count); }
 
 /* out [rows][n] = x [rows][k] times W [n][k] transposed; xsum is scratch of rows * k / 32
    floats. Threads split the output columns, which changes no sum. */

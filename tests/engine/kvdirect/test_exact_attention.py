@@ -109,17 +109,43 @@ def test_a_row_alone_equals_the_row_in_a_batch_of_1_to_256(rows):
     assert n == key.shape[-2]
 
 
-def test_thread_count_changes_no_bit():
+def on_threads(monkeypatch, count: int) -> None:
+    """The kernel's calls from here on run on ``count`` threads."""
+    monkeypatch.setattr(exact_attention, "kernel_threads", lambda: count)
+
+
+def test_thread_count_changes_no_bit(monkeypatch):
     query, key, value = tensors(2, 4, 64, 128, 2000, torch.float32, 3)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = exact_attention.exact_attention(query, key, value, 0.125)
-        torch.set_num_threads(max(2, before))
-        many = exact_attention.exact_attention(query, key, value, 0.125)
-    finally:
-        torch.set_num_threads(before)
+    on_threads(monkeypatch, 1)
+    one = exact_attention.exact_attention(query, key, value, 0.125)
+    on_threads(monkeypatch, 3)
+    many = exact_attention.exact_attention(query, key, value, 0.125)
     assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "groups", "q_len", "dim", "window"),
+    [(1, 4, 1, 256, None), (1, 4, 1, 256, 512), (3, 3, 1, 64, None), (1, 1, 1, 64, None),
+     (2, 3, 2, 80, None), (4, 2, 1, 256, 300), (1, 7, 1, 128, None)],
+)  # fmt: skip
+def test_a_decode_steps_rows_shared_out_over_threads_keep_their_bits(
+    monkeypatch, kv_heads, groups, q_len, dim, window
+):
+    """A decode step has a few query rows per K/V head; where there are fewer K/V heads than
+    threads (Gemma 3 270M has one) each head's rows are shared out over the threads. Every
+    count gives the one-thread bits, and each row still equals that row alone."""
+    query, key, value = tensors(kv_heads, groups, dim, q_len, 900, torch.float32, 5)
+    outs = {}
+    for count in (1, 2, 3, 4, 16):
+        on_threads(monkeypatch, count)
+        outs[count] = exact_attention.exact_attention(query, key, value, 0.125, window)
+    assert all(torch.equal(outs[1], out) for out in outs.values())
+    for head in range(query.shape[1]):
+        alone = exact_attention.exact_attention(
+            query[:, head : head + 1], key[:, head // groups : head // groups + 1],
+            value[:, head // groups : head // groups + 1], 0.125, window,
+        )  # fmt: skip
+        assert torch.equal(alone[0, :, 0], outs[2][0, :, head])
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
