@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "worker_pool.h"
@@ -956,4 +957,33 @@ void kvchat_attention_finish(const float *l, const float *acc, int64_t heads, in
       float *dst = out + (i * heads + h) * dim;
       for (int64_t e = 0; e < dim; e++) dst[e] = acc[row * dim + e] / sum;
     }
+}
+
+/* One call over every key it sees (a decode step, a prefill chunk): kvchat_attention_init,
+   kvchat_attention_fold from key position 0 and kvchat_attention_finish, with the state in
+   scratch of its own, so the caller makes one call instead of three. Query i sits at
+   position q_pos0 + i. Returns 0, or -1 when the scratch cannot be had (out untouched). */
+int32_t kvchat_attention(const float *q, int64_t heads, int64_t q_len, int64_t dim,
+                         int64_t kv_heads, int64_t q_pos0, float scale, int64_t window,
+                         const void *k, const void *v, int32_t dtype, int64_t k_head_stride,
+                         int64_t k_row_stride, int64_t v_head_stride, int64_t v_row_stride,
+                         int64_t n_keys, float *out, int32_t threads) {
+  const int64_t rows = heads * q_len;
+  float *state = malloc((size_t)rows * (size_t)(dim + 2) * sizeof(float));
+  int64_t *positions = malloc((size_t)q_len * sizeof(int64_t));
+  if (state == NULL || positions == NULL) {
+    free(state);
+    free(positions);
+    return -1;
+  }
+  float *m = state, *l = state + rows, *acc = state + 2 * rows;
+  for (int64_t i = 0; i < q_len; i++) positions[i] = q_pos0 + i;
+  kvchat_attention_init(m, l, acc, rows, dim);
+  kvchat_attention_fold(q, heads, q_len, dim, kv_heads, positions, scale, window, k, v, dtype,
+                        k_head_stride, k_row_stride, v_head_stride, v_row_stride, n_keys, 0, m,
+                        l, acc, threads);
+  kvchat_attention_finish(l, acc, heads, q_len, dim, out);
+  free(state);
+  free(positions);
+  return 0;
 }

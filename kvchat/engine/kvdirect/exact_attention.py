@@ -141,6 +141,12 @@ def load_kernel(path: Path) -> ctypes.CDLL | None:
     library.kvchat_attention_init.restype = None
     library.kvchat_attention_finish.argtypes = [ptr, ptr, i64, i64, i64, ptr]
     library.kvchat_attention_finish.restype = None
+    whole = library.kvchat_attention
+    whole.argtypes = [
+        ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+        ptr, ptr, ctypes.c_int32, i64, i64, i64, i64, i64, ptr, ctypes.c_int32,
+    ]  # fmt: skip
+    whole.restype = ctypes.c_int32
     return library
 
 
@@ -212,12 +218,7 @@ class AttentionState:
         n = key.shape[-2]
         if n == 0:
             return
-        if key.dtype not in _DTYPES or key.dtype != value.dtype:
-            key, value = key.float(), value.float()
-        if key.stride(-1) != 1:
-            key = key.contiguous()
-        if value.stride(-1) != 1:
-            value = value.contiguous()
+        key, value = _kernel_operands(key, value)
         heads, q_len, dim = self.shape
         kv_heads = key.shape[1]
         self.kernel.kvchat_attention_fold(
@@ -238,6 +239,17 @@ class AttentionState:
         return out if self.out_dtype == torch.float32 else out.to(self.out_dtype)
 
 
+def _kernel_operands(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V as the kernel reads them: float32 or bfloat16 alike, unit stride along dim."""
+    if key.dtype not in _DTYPES or key.dtype != value.dtype:
+        key, value = key.float(), value.float()
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    return key, value
+
+
 def exact_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -246,11 +258,26 @@ def exact_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last ``q_len`` positions over ``key``/``value`` (the new rows
-    last, as a cache returns them), ``[1, q_len, heads, dim]``."""
+    last, as a cache returns them), ``[1, q_len, heads, dim]``: what an
+    :class:`AttentionState` folding them all at once gives, in one call to the kernel (a
+    decode step makes one per layer, so the state's own tensors would cost it more than
+    they hold)."""
+    batch, heads, q_len, dim = query.shape
+    if batch != 1:
+        raise ValueError("exact attention takes one sequence at a time")
     n = key.shape[-2]
-    state = AttentionState(query, scaling, n - query.shape[-2], window)
-    state.fold(key, value, 0)
-    return state.finish()
+    q = query[0].to(torch.float32).contiguous()
+    key, value = _kernel_operands(key, value)
+    out = torch.empty(1, q_len, heads, dim)
+    failed = _kernel().kvchat_attention(
+        q.data_ptr(), heads, q_len, dim, key.shape[1], n - q_len, float(scaling),
+        int(window or 0), key.data_ptr(), value.data_ptr(), _DTYPES[key.dtype],
+        key.stride(1), key.stride(2), value.stride(1), value.stride(2), n, out.data_ptr(),
+        kernel_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"no memory for attention's state ({heads * q_len} rows)")
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
 def _positional(mask: torch.Tensor, q_len: int, n: int, window: int | None) -> bool:
