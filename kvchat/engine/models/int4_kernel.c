@@ -277,6 +277,57 @@ static inline __m256 high_half(__m512 v) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
 
+/* Bytes 0-7 (half 0) or 8-15 (half 1) of two columns' codes for one group, widened: lanes
+   0-7 the first column's, lanes 8-15 the second's. */
+static inline __m512i two_columns_bytes(const uint8_t *a, const uint8_t *b) {
+  const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a),
+                                          _mm_loadl_epi64((const __m128i *)b));
+  return _mm512_cvtepu8_epi32(both);
+}
+
+/* One row against two columns at a time: each half of a register is one column, running
+   the AVX2 code's operations on it in the AVX2 code's order (the row's activations stand in
+   both halves), so the bits are rows_tile's and a decode step issues half the instructions
+   per weight, which is what held its reading of the weights under the memory's speed. An
+   odd last column runs in both halves, its second copy dropped. */
+static void column_pairs_row(const Job *job, int64_t r) {
+  const int64_t k = job->k, groups = k / GROUP;
+  const int64_t stride = (job->symmetric ? 1 : 2) * groups;
+  const float *x = job->x + r * k;
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  float scales[2][groups];
+  for (int64_t n = job->n0; n < job->n1; n += 2) {
+    const int64_t m = n + 1 < job->n1 ? n + 1 : n;
+    const uint8_t *ca = job->codes + n * (k / 2), *cb = job->codes + m * (k / 2);
+    scales_to_float(job->scale_min + n * stride, groups, scales[0]);
+    scales_to_float(job->scale_min + m * stride, groups, scales[1]);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      /* The next pair's codes, a cache line every fourth group (see rows_tile_of). */
+      if ((g & 3) == 0) {
+        _mm_prefetch((const char *)(ca + k + 16 * g), _MM_HINT_T0);
+        _mm_prefetch((const char *)(ca + k + k / 2 + 16 * g), _MM_HINT_T0);
+      }
+      const __m512i b0 = two_columns_bytes(ca + 16 * g, cb + 16 * g);
+      const __m512i b1 = two_columns_bytes(ca + 16 * g + 8, cb + 16 * g + 8);
+      const float *xg = x + GROUP * g;
+      __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b0, low)),
+                               _mm512_broadcast_f32x8(_mm256_loadu_ps(xg)));
+      a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b1, low)),
+                          _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 8)), a);
+      a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)),
+                          _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 16)), a);
+      a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)),
+                          _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 24)), a);
+      const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(scales[0][g])),
+                                          _mm256_set1_ps(scales[1][g]), 1);
+      total = _mm512_fmadd_ps(a, s, total);
+    }
+    finish(job, r, n, _mm512_castps512_ps256(total));
+    if (m != n) finish(job, r, m, high_half(total));
+  }
+}
+
 /* Rows r0..r0+nr-1 (nr >= 2): pairs from xi (interleave_pairs' layout), an odd last row in
    the low halves, as the AVX2 code computes it. The groups are taken a block at a time
    (K_BLOCK) for N_BLOCK columns, so the tile's activations for that block stay in the
@@ -603,9 +654,14 @@ static void run_job(const Job *job) {
   }
 #endif
 #ifdef KVCHAT_AVX512
-  /* A few rows (a decode step) gain nothing from pairing what they read once: the AVX2 code
-     serves them, and any rows when the pairs' buffer cannot be had. The buffer is aligned to
-     the cache line, since a 512-bit load across two lines costs twice one within a line. */
+  /* One row (a decode step) pairs columns instead. Two or three rows gain nothing from
+     pairing what they read once: the AVX2 code serves them, and any rows when the pairs'
+     buffer cannot be had. The buffer is aligned to the cache line, since a 512-bit load
+     across two lines costs twice one within a line. */
+  if (job->rows == 1) {
+    column_pairs_row(job, 0);
+    return;
+  }
   float *xi = job->rows >= 4 ? aligned_alloc(64, PAIR_TILE * job->k * sizeof *xi) : NULL;
   if (xi != NULL) {
     for (int64_t r = 0; r < job->rows; r += PAIR_TILE) {

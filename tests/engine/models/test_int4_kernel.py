@@ -141,23 +141,26 @@ def test_the_plain_c_build_gives_the_vector_builds_bits(tmp_path):
         flags = [*PORTABLE_FLAGS, "-mavx2", "-mfma", "-mf16c"]
         assert compile_kernel(compiler(), avx2_path, flags, source=int4_kernel.SOURCE)
         builds["avx2"] = int4_kernel.load(avx2_path)
-    parts, _layer_ = _layer(96, 320, seed=3)  # 10 groups: the minimums' vector and scalar tails
-    codes, scale_min = int4_kernel.kernel_form(parts)
-    expected_weights = _grid(parts)
-    for rows in (1, 2, 5, 17, 35):
-        x = torch.randn(rows, 320)
-        outs = {}
-        for name, library in builds.items():
-            out, scratch = torch.empty(rows, 96), torch.empty(rows * 10)
-            library.kvchat_int4_matmul(
-                x.data_ptr(), rows, 320, codes.data_ptr(), scale_min.data_ptr(), 0, 96,
-                out.data_ptr(), scratch.data_ptr(), 2,
-            )  # fmt: skip
-            outs[name] = out
-        expected = x.double() @ expected_weights.T
-        for name, out in outs.items():
-            assert (out.double() - expected).abs().max() < 1e-5, (name, rows)
-            assert torch.equal(out, outs["portable"]), (name, rows)
+    # 10 groups: the minimums' vector and scalar tails; 95 columns leave one thread an odd
+    # column count (a single row takes the columns two at a time with AVX-512).
+    for n in (96, 95):
+        parts, _layer_ = _layer(n, 320, seed=n)
+        codes, scale_min = int4_kernel.kernel_form(parts)
+        expected_weights = _grid(parts)
+        for rows in (1, 2, 5, 17, 35):
+            x = torch.randn(rows, 320)
+            outs = {}
+            for name, library in builds.items():
+                out, scratch = torch.empty(rows, n), torch.empty(rows * 10)
+                library.kvchat_int4_matmul(
+                    x.data_ptr(), rows, 320, codes.data_ptr(), scale_min.data_ptr(), 0, n,
+                    out.data_ptr(), scratch.data_ptr(), 2,
+                )  # fmt: skip
+                outs[name] = out
+            expected = x.double() @ expected_weights.T
+            for name, out in outs.items():
+                assert (out.double() - expected).abs().max() < 1e-5, (name, n, rows)
+                assert torch.equal(out, outs["portable"]), (name, n, rows)
 
 
 def test_a_gguf_q4_blocks_numbers_are_held_exactly():
