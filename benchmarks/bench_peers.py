@@ -16,7 +16,9 @@ Rows:
   every core (``--decode-threads`` = ``--threads``); then ``--weights none`` (float32),
   ``--weights int8`` and ``--dtype bfloat16``.
 * ``transformers generate``: ``model.generate`` with a ``DynamicCache`` on the float32
-  weights (the dequantized GGUF), the prompt in one call.
+  weights (the dequantized GGUF), the prompt in one call, with transformers' own SDPA
+  attention (kvchat's loader routes attention through its exact kernel; this row puts the
+  model's own back, so that it measures transformers as a user runs it).
 * ``llama.cpp``: llama-cpp-python's ``Llama.generate`` (top_k=1) on the GGUF, twice:
   with n_ctx = the model's context length (8192, ``max_position_embeddings``; also what
   llama.cpp picks for n_ctx=0), which is the context kvchat serves, so the ratios compare
@@ -119,6 +121,7 @@ def measure_hf(args: argparse.Namespace) -> dict[str, Any]:
     stamps: list[float] = []
     ids = given_ids(args)
     model = loaded.model
+    model.set_attn_implementation("sdpa")
     t0 = time.perf_counter()
     with torch.inference_mode():
         model.generate(
