@@ -141,12 +141,13 @@ def load_kernel(path: Path) -> ctypes.CDLL | None:
     library.kvchat_attention_init.restype = None
     library.kvchat_attention_finish.argtypes = [ptr, ptr, i64, i64, i64, ptr]
     library.kvchat_attention_finish.restype = None
-    whole = library.kvchat_attention
-    whole.argtypes = [
-        ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
-        ptr, ptr, ctypes.c_int32, i64, i64, i64, i64, i64, ptr, ctypes.c_int32,
-    ]  # fmt: skip
-    whole.restype = ctypes.c_int32
+    whole = getattr(library, "kvchat_attention", None)  # not in builds of older sources
+    if whole is not None:
+        whole.argtypes = [
+            ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+            ptr, ptr, ctypes.c_int32, i64, i64, i64, i64, i64, ptr, ctypes.c_int32,
+        ]  # fmt: skip
+        whole.restype = ctypes.c_int32
     return library
 
 
