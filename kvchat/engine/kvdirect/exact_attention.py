@@ -98,17 +98,9 @@ def compile_kernel(
     temporary = target.with_suffix(f".{os.getpid()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        command = [cc, *(flags or _FLAGS), f"-I{POOL_HEADER.parent}", str(source)]
         done = subprocess.run(
-            [
-                cc,
-                *(flags or _FLAGS),
-                f"-I{POOL_HEADER.parent}",
-                str(source),
-                "-o",
-                str(temporary),
-                "-lm",
-                "-pthread",
-            ],  # fmt: skip
+            [*command, "-o", str(temporary), "-lm", "-pthread"],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=120,
