@@ -24,7 +24,7 @@ models whose weights are at most :data:`SMALL_WEIGHTS` bytes, else the prefill c
 decoding on every core, quiet and beside a busy process (docs/performance.md, "bench_peers":
 on the default model, faster in both). A kernel big enough to pay for the
 wake-up (the output head, ``qlinear.WIDE_BYTES``) still takes every core (:func:`every_thread`),
-and so does kvchat's int4 kernel, whose own workers cost no such wake-up
+and so do kvchat's int4 and attention kernels, whose own workers cost no such wake-up
 (:func:`kernel_threads`).
 
 Thread counts change bits: a GEMM may split its work another way. So every projection runs
@@ -150,10 +150,11 @@ def every_thread() -> OnThreads:
 
 
 def kernel_threads() -> int:
-    """The count for kvchat's own int4 kernel, for calls of any row count: the prefill count
-    (or torch's, when nothing set one). Its bits do not depend on the count, and it hands
-    work to workers of its own that wait briefly for the next call, so a decode step of a
-    small model pays no wake-up per call, which is what keeps those on one thread."""
+    """The count for kvchat's own C kernels (int4 weights, attention), for calls of any row
+    count: the prefill count (or torch's, when nothing set one). Their bits do not depend on
+    the count, and they hand work to workers of their own that wait briefly for the next
+    call, so a decode step of a small model pays no wake-up per call, which is what keeps
+    torch's ops on one thread there."""
     if _counts["rows"] is not None:
         return _counts["rows"]
     import torch
