@@ -189,12 +189,9 @@ class AttentionState:
         window: int | None = None,
         kernel: ctypes.CDLL | None = None,
     ) -> None:
-        batch, heads, q_len, dim = query.shape
-        if batch != 1:
-            raise ValueError("exact attention takes one sequence at a time")
-        self.shape = (heads, q_len, dim)
+        self.query = _query_operand(query)
+        heads, q_len, dim = self.shape = tuple(self.query.shape)
         self.out_dtype = query.dtype
-        self.query = query[0].to(torch.float32).contiguous()
         self.positions = torch.arange(q_pos0, q_pos0 + q_len, dtype=torch.int64)
         self.scaling = float(scaling)
         self.window = int(window or 0)
@@ -232,6 +229,14 @@ class AttentionState:
         return out if self.out_dtype == torch.float32 else out.to(self.out_dtype)
 
 
+def _query_operand(query: torch.Tensor) -> torch.Tensor:
+    """``query`` (``[1, heads, q_len, dim]``) as the kernel reads it: ``[heads, q_len, dim]``,
+    float32, contiguous."""
+    if query.shape[0] != 1:
+        raise ValueError("exact attention takes one sequence at a time")
+    return query[0].to(torch.float32).contiguous()
+
+
 def _kernel_operands(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V as the kernel reads them: float32 or bfloat16 alike, unit stride along dim."""
     if key.dtype not in _DTYPES or key.dtype != value.dtype:
@@ -255,11 +260,9 @@ def exact_attention(
     :class:`AttentionState` folding them all at once gives, in one call to the kernel (a
     decode step makes one per layer, so the state's own tensors would cost it more than
     they hold)."""
-    batch, heads, q_len, dim = query.shape
-    if batch != 1:
-        raise ValueError("exact attention takes one sequence at a time")
+    q = _query_operand(query)
+    heads, q_len, dim = q.shape
     n = key.shape[-2]
-    q = query[0].to(torch.float32).contiguous()
     key, value = _kernel_operands(key, value)
     out = torch.empty(1, q_len, heads, dim)
     failed = _kernel().kvchat_attention(
