@@ -278,9 +278,11 @@ static void fold_rows(const Job *job, int64_t kv_head, int64_t first) {
 }
 
 #if defined(__AVX512F__)
-/* The same functions with AVX-512 registers: one lane per row (fold_tile) or per key
- * (fold_rows), each lane the portable code's operations (fused multiply-adds, adds,
- * products, max, the same exp), so the bits are the portable code's. */
+/* The same functions with AVX-512 registers: one lane per row (fold_tile); in fold_rows
+ * one lane per element of a dot product's partial sums or of the accumulators, and one per
+ * key for the scores' trees and the softmax. Each lane runs the portable code's operations
+ * (fused multiply-adds, adds, products, max, the same exp), so the bits are the portable
+ * code's. */
 static inline __m512 exp_nonpositive16(__m512 x) {
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -477,25 +479,57 @@ static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
   }
 }
 
-/* One row's dot product with a key, vectorised over dim: the PARTS partial sums are the
- * lanes of one register, and the tree halves it (lane i gets lane i + width added). */
-static inline float dot_lanes(const float *q, const float *k, int64_t dim) {
-  __m512 part = _mm512_setzero_ps();
+/* A key block's scores for one row: key b's PARTS partial sums are the lanes of part[b]
+ * (element e into lane e % PARTS, in order of e; elements past dim take nothing), then every
+ * key's fixed tree (lane i gets lane i + width added, width 8, 4, 2, 1) runs on 16 keys at
+ * once: each level packs the halves it adds from two registers side by side, so the keys
+ * share its adds. Per (row, key) these are the portable code's operations; the scores come
+ * back in key order. */
+static inline __m512 scores_of_block(const float *q, const float *const *k, int64_t dim) {
+  __m512 part[KEY_BLOCK];
+  for (int b = 0; b < KEY_BLOCK; b++) part[b] = _mm512_setzero_ps();
   int64_t c = 0;
-  for (; c + PARTS <= dim; c += PARTS)
-    part = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), part);
-  if (c < dim) {
-    __mmask16 tail = (__mmask16)((1u << (dim - c)) - 1);
-    part = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + c),
-                                 _mm512_maskz_loadu_ps(tail, k + c), part, tail);
+  for (; c + PARTS <= dim; c += PARTS) {
+    const __m512 qc = _mm512_loadu_ps(q + c);
+    for (int b = 0; b < KEY_BLOCK; b++)
+      part[b] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[b] + c), part[b]);
   }
-  part = _mm512_add_ps(part, _mm512_shuffle_f32x4(part, part, _MM_SHUFFLE(3, 2, 3, 2)));
-  part = _mm512_add_ps(part, _mm512_shuffle_f32x4(part, part, _MM_SHUFFLE(0, 0, 0, 1)));
-  part = _mm512_add_ps(part, _mm512_permute_ps(part, _MM_SHUFFLE(1, 0, 3, 2)));
-  part = _mm512_add_ps(part, _mm512_permute_ps(part, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_cvtss_f32(part);
+  if (c < dim) {
+    const __mmask16 tail = (__mmask16)((1u << (dim - c)) - 1);
+    const __m512 qc = _mm512_maskz_loadu_ps(tail, q + c);
+    for (int b = 0; b < KEY_BLOCK; b++)
+      part[b] = _mm512_mask3_fmadd_ps(qc, _mm512_maskz_loadu_ps(tail, k[b] + c), part[b], tail);
+  }
+  /* width 8: keys b, b + 1 -> blocks [b: lanes 0-3, 4-7 | b + 1: lanes 0-3, 4-7] */
+  __m512 w8[KEY_BLOCK / 2];
+  for (int b = 0; b < KEY_BLOCK / 2; b++) {
+    const __m512 x = part[2 * b], y = part[2 * b + 1];
+    w8[b] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  /* width 4: block j of w4[b] is key 4b + j's lanes 0-3 */
+  __m512 w4[KEY_BLOCK / 4];
+  for (int b = 0; b < KEY_BLOCK / 4; b++) {
+    const __m512 x = w8[2 * b], y = w8[2 * b + 1];
+    w4[b] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  /* width 2: block j of w2[b] is [key 4b + j: lanes 0, 1 | key 4b + 8 + j: lanes 0, 1] */
+  __m512 w2[2];
+  for (int b = 0; b < 2; b++) {
+    const __m512d x = _mm512_castps_pd(w4[b]), y = _mm512_castps_pd(w4[b + 2]);
+    w2[b] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  /* width 1: block j holds keys j, j + 8, j + 4, j + 12; then into key order */
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(w2[0], w2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(w2[0], w2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i lane_of_key =
+      _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(lane_of_key, sums);
 }
 
+#define ACC_VECTORS 4
 static void fold_rows_avx512(const Job *job, int64_t kv_head, int64_t first) {
   const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
   int64_t row0, lanes;
@@ -530,13 +564,15 @@ static void fold_rows_avx512(const Job *job, int64_t kv_head, int64_t first) {
         vr[b] = vbuf[b];
       }
     }
+    for (int64_t b = count; b < KEY_BLOCK; b++) kr[b] = kr[0]; /* scored, never seen */
     for (int64_t t = 0; t < lanes; t++) {
       float s[KEY_BLOCK], mx[KEY_BLOCK], before[KEY_BLOCK], p[KEY_BLOCK], alpha[KEY_BLOCK];
       int visible[KEY_BLOCK];
       float running = m[t];
+      _mm512_storeu_ps(s, scores_of_block(qs[t], kr, dim));
       for (int64_t b = 0; b < KEY_BLOCK; b++) {
         visible[b] = b < count && is_visible(job->key_pos0 + jb + b, pos[t], window);
-        s[b] = visible[b] ? dot_lanes(qs[t], kr[b], dim) : 0.0f;
+        if (!visible[b]) s[b] = 0.0f;
         before[b] = running;
         if (visible[b] && s[b] > running) running = s[b];
         mx[b] = running;
@@ -548,25 +584,38 @@ static void fold_rows_avx512(const Job *job, int64_t kv_head, int64_t first) {
       _mm512_storeu_ps(p, _mm512_maskz_mov_ps(vis, exp_nonpositive16(_mm512_maskz_sub_ps(vis, vs, vmx))));
       __m512 a = exp_nonpositive16(_mm512_maskz_sub_ps(changed, vb, vmx));
       _mm512_storeu_ps(alpha, _mm512_mask_blend_ps(changed, _mm512_set1_ps(1.0f), a));
-      float *out = acc + t * dim;
       float sum = l[t];
       for (int64_t b = 0; b < count; b++) {
         if (!visible[b]) continue;
-        int64_t e = 0;
-        if (alpha[b] != 1.0f) {
-          sum = sum * alpha[b];
-          const __m512 va = _mm512_set1_ps(alpha[b]);
-          for (e = 0; e + 16 <= dim; e += 16)
-            _mm512_storeu_ps(out + e, _mm512_mul_ps(_mm512_loadu_ps(out + e), va));
-          for (; e < dim; e++) out[e] = out[e] * alpha[b];
-        }
+        if (alpha[b] != 1.0f) sum = sum * alpha[b];
         sum = sum + p[b];
-        const __m512 vp = _mm512_set1_ps(p[b]);
-        const float *v = vr[b];
-        for (e = 0; e + 16 <= dim; e += 16)
-          _mm512_storeu_ps(out + e, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + e),
-                                                    _mm512_loadu_ps(out + e)));
-        for (; e < dim; e++) out[e] = fmaf(p[b], v[e], out[e]);
+      }
+      /* The accumulators ACC_VECTORS registers at a time, through the block's keys in
+       * order: each element's rescales and fused multiply-adds are the portable code's, in
+       * its order, without a store and reload between keys. */
+      float *out = acc + t * dim;
+      for (int64_t e0 = 0; e0 < dim; e0 += ACC_VECTORS * 16) {
+        __m512 a[ACC_VECTORS];
+        __mmask16 live[ACC_VECTORS];
+        for (int u = 0; u < ACC_VECTORS; u++) {
+          const int64_t left = dim - e0 - 16 * u;
+          live[u] = left >= 16 ? (__mmask16)0xFFFF
+                    : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
+          a[u] = _mm512_maskz_loadu_ps(live[u], out + e0 + 16 * u);
+        }
+        for (int64_t b = 0; b < count; b++) {
+          if (!visible[b]) continue;
+          if (alpha[b] != 1.0f) {
+            const __m512 va = _mm512_set1_ps(alpha[b]);
+            for (int u = 0; u < ACC_VECTORS; u++) a[u] = _mm512_mul_ps(a[u], va);
+          }
+          const __m512 vp = _mm512_set1_ps(p[b]);
+          const float *v = vr[b] + e0;
+          for (int u = 0; u < ACC_VECTORS; u++)
+            a[u] = _mm512_fmadd_ps(vp, _mm512_maskz_loadu_ps(live[u], v + 16 * u), a[u]);
+        }
+        for (int u = 0; u < ACC_VECTORS; u++)
+          _mm512_mask_storeu_ps(out + e0 + 16 * u, live[u], a[u]);
       }
       l[t] = sum;
       m[t] = running;

@@ -176,6 +176,8 @@ def test_every_build_gives_the_portable_builds_bits(tmp_path, build):
         (3, 3, 64, 1, 900, None, torch.float32),  # a decode step: the few-rows layout
         (2, 4, 80, 1, 700, 128, torch.bfloat16),  # few rows, a dim tail, a sliding window
         (1, 2, 40, 3, 300, None, torch.float32),  # few rows over a partial dim block
+        (4, 2, 256, 1, 600, None, torch.bfloat16),  # Gemma 4B's decode step: 4 chunks of dim
+        (1, 4, 256, 2, 1100, 512, torch.float32),  # Gemma 270M's heads, a window, 2 rows
         (3, 3, 64, 37, 500, None, torch.float32),  # rows in lanes, with a partial tile
         (2, 4, 40, 40, 300, None, torch.float32),  # rows in lanes over a partial dim block
         (3, 3, 64, 200, 300, 64, torch.bfloat16),  # sliding window, bf16 K/V
