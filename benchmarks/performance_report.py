@@ -88,7 +88,8 @@ def section(path: Path) -> list[str]:
         f"run {env.get('date', '?')}",
         f"commit {env.get('git_commit', '?')}",
         f"torch {env.get('torch', '?')}",
-        f"{env.get('cpu_count', '?')} CPUs",
+        f"{env.get('cpu_count', '?')} CPUs"
+        + (f" ({env['cpu_model']})" if env.get("cpu_model") else ""),
     ]
     if load:
         facts.append(f"load average at start {load[0]:.2f}")

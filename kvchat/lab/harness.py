@@ -249,6 +249,19 @@ def _version(package: str) -> str | None:
         return None
 
 
+def cpu_model() -> str | None:
+    """The CPU's name as the kernel reports it (Linux), else None: runs on different kinds
+    of machine (a Xeon, an EPYC) are not comparable, and a run's figures must say which."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return None
+
+
 def environment(threads: int | None) -> dict[str, Any]:
     """What a reader needs to judge a run's figures: versions, machine, load, commit."""
     try:
@@ -264,6 +277,7 @@ def environment(threads: int | None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "processor": platform.processor() or None,
+        "cpu_model": cpu_model(),
         "loadavg_at_start": load,
         "git_commit": git_commit(),
         "kvchat": kvchat_location(),

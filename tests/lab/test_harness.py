@@ -183,6 +183,21 @@ def test_environment_names_the_commit_and_the_checkout():
         assert key in env
 
 
+def test_environment_names_the_cpu_where_the_kernel_does():
+    """Figures from a Xeon and from an EPYC are not comparable: a run names its CPU."""
+    env = harness.environment(None)
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        assert env["cpu_model"] is None
+        return
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in cpuinfo.read_text(errors="replace").splitlines()
+        if line.startswith("model name")
+    ]
+    assert env["cpu_model"] == (names[0] if names and names[0] else None)
+
+
 def test_save_run_writes_name_fields_environment_and_wall_time(tmp_path, capsys):
     env = {"git_commit": "abc1234"}
     path = harness.save_run(tmp_path / "r.json", "bench_x", {"results": {"a": 1.5}}, env, 2.0)
