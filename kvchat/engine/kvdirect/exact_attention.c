@@ -278,11 +278,9 @@ static void fold_rows(const Job *job, int64_t kv_head, int64_t first) {
 }
 
 #if defined(__AVX512F__)
-/* The same functions with AVX-512 registers: one lane per row (fold_tile); in fold_rows
- * one lane per element of a dot product's partial sums or of the accumulators, and one per
- * key for the scores' trees and the softmax. Each lane runs the portable code's operations
- * (fused multiply-adds, adds, products, max, the same exp), so the bits are the portable
- * code's. */
+/* The same functions with AVX-512 registers: one lane per row (fold_tile) or per key
+ * (fold_rows), each lane the portable code's operations (fused multiply-adds, adds,
+ * products, max, the same exp), so the bits are the portable code's. */
 static inline __m512 exp_nonpositive16(__m512 x) {
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -479,6 +477,25 @@ static void fold_tile_avx512(const Job *job, int64_t kv_head, int64_t first) {
   }
 }
 
+/* One row's dot product with a key, vectorised over dim: the PARTS partial sums are the
+ * lanes of one register, and the tree halves it (lane i gets lane i + width added). */
+static inline float dot_lanes(const float *q, const float *k, int64_t dim) {
+  __m512 part = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + PARTS <= dim; c += PARTS)
+    part = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), part);
+  if (c < dim) {
+    __mmask16 tail = (__mmask16)((1u << (dim - c)) - 1);
+    part = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + c),
+                                 _mm512_maskz_loadu_ps(tail, k + c), part, tail);
+  }
+  part = _mm512_add_ps(part, _mm512_shuffle_f32x4(part, part, _MM_SHUFFLE(3, 2, 3, 2)));
+  part = _mm512_add_ps(part, _mm512_shuffle_f32x4(part, part, _MM_SHUFFLE(0, 0, 0, 1)));
+  part = _mm512_add_ps(part, _mm512_permute_ps(part, _MM_SHUFFLE(1, 0, 3, 2)));
+  part = _mm512_add_ps(part, _mm512_permute_ps(part, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_cvtss_f32(part);
+}
+
 /* A key block's scores for one row: key b's PARTS partial sums are the lanes of part[b]
  * (element e into lane e % PARTS, in order of e; elements past dim take nothing), then every
  * key's fixed tree (lane i gets lane i + width added, width 8, 4, 2, 1) runs on 16 keys at
@@ -529,7 +546,35 @@ static inline __m512 scores_of_block(const float *q, const float *const *k, int6
   return _mm512_permutexvar_ps(lane_of_key, sums);
 }
 
-#define ACC_VECTORS 4
+/* One row's accumulators from element e0, `vectors` registers of them (a constant where
+ * inlined, so they stay in registers), through a block's keys in order: each element's
+ * rescales and fused multiply-adds are the portable code's, in its order, without a store
+ * and reload between keys. Lanes past dim are masked off. */
+static inline __attribute__((always_inline)) void accumulate_block(
+    float *out, int64_t e0, int64_t dim, const float *const *vr, const float *p,
+    const float *alpha, const int *visible, int64_t count, const int vectors) {
+  __m512 a[16];
+  __mmask16 live[16];
+  for (int u = 0; u < vectors; u++) {
+    const int64_t left = dim - e0 - 16 * u;
+    live[u] = left >= 16 ? (__mmask16)0xFFFF
+              : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
+    a[u] = _mm512_maskz_loadu_ps(live[u], out + e0 + 16 * u);
+  }
+  for (int64_t b = 0; b < count; b++) {
+    if (!visible[b]) continue;
+    if (alpha[b] != 1.0f) {
+      const __m512 va = _mm512_set1_ps(alpha[b]);
+      for (int u = 0; u < vectors; u++) a[u] = _mm512_mul_ps(a[u], va);
+    }
+    const __m512 vp = _mm512_set1_ps(p[b]);
+    const float *v = vr[b] + e0;
+    for (int u = 0; u < vectors; u++)
+      a[u] = _mm512_fmadd_ps(vp, _mm512_maskz_loadu_ps(live[u], v + 16 * u), a[u]);
+  }
+  for (int u = 0; u < vectors; u++) _mm512_mask_storeu_ps(out + e0 + 16 * u, live[u], a[u]);
+}
+
 static void fold_rows_avx512(const Job *job, int64_t kv_head, int64_t first) {
   const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
   int64_t row0, lanes;
@@ -569,10 +614,14 @@ static void fold_rows_avx512(const Job *job, int64_t kv_head, int64_t first) {
       float s[KEY_BLOCK], mx[KEY_BLOCK], before[KEY_BLOCK], p[KEY_BLOCK], alpha[KEY_BLOCK];
       int visible[KEY_BLOCK];
       float running = m[t];
-      _mm512_storeu_ps(s, scores_of_block(qs[t], kr, dim));
+      /* Small heads: the block's scores together, which shares the trees' adds. Larger
+       * ones key by key: on K/V beyond the caches, 16 rows read side by side come slower
+       * than one after another (measured on Gemma 3's 256-wide heads). */
+      if (dim <= 64) _mm512_storeu_ps(s, scores_of_block(qs[t], kr, dim));
       for (int64_t b = 0; b < KEY_BLOCK; b++) {
         visible[b] = b < count && is_visible(job->key_pos0 + jb + b, pos[t], window);
-        if (!visible[b]) s[b] = 0.0f;
+        if (dim > 64) s[b] = visible[b] ? dot_lanes(qs[t], kr[b], dim) : 0.0f;
+        else if (!visible[b]) s[b] = 0.0f;
         before[b] = running;
         if (visible[b] && s[b] > running) running = s[b];
         mx[b] = running;
@@ -590,32 +639,14 @@ static void fold_rows_avx512(const Job *job, int64_t kv_head, int64_t first) {
         if (alpha[b] != 1.0f) sum = sum * alpha[b];
         sum = sum + p[b];
       }
-      /* The accumulators ACC_VECTORS registers at a time, through the block's keys in
-       * order: each element's rescales and fused multiply-adds are the portable code's, in
-       * its order, without a store and reload between keys. */
+      /* Small heads in four registers, larger ones sixteen at a time: each V row is read
+       * in as few passes as the registers allow. */
       float *out = acc + t * dim;
-      for (int64_t e0 = 0; e0 < dim; e0 += ACC_VECTORS * 16) {
-        __m512 a[ACC_VECTORS];
-        __mmask16 live[ACC_VECTORS];
-        for (int u = 0; u < ACC_VECTORS; u++) {
-          const int64_t left = dim - e0 - 16 * u;
-          live[u] = left >= 16 ? (__mmask16)0xFFFF
-                    : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
-          a[u] = _mm512_maskz_loadu_ps(live[u], out + e0 + 16 * u);
-        }
-        for (int64_t b = 0; b < count; b++) {
-          if (!visible[b]) continue;
-          if (alpha[b] != 1.0f) {
-            const __m512 va = _mm512_set1_ps(alpha[b]);
-            for (int u = 0; u < ACC_VECTORS; u++) a[u] = _mm512_mul_ps(a[u], va);
-          }
-          const __m512 vp = _mm512_set1_ps(p[b]);
-          const float *v = vr[b] + e0;
-          for (int u = 0; u < ACC_VECTORS; u++)
-            a[u] = _mm512_fmadd_ps(vp, _mm512_maskz_loadu_ps(live[u], v + 16 * u), a[u]);
-        }
-        for (int u = 0; u < ACC_VECTORS; u++)
-          _mm512_mask_storeu_ps(out + e0 + 16 * u, live[u], a[u]);
+      if (dim <= 4 * 16) {
+        accumulate_block(out, 0, dim, vr, p, alpha, visible, count, 4);
+      } else {
+        for (int64_t e0 = 0; e0 < dim; e0 += 16 * 16)
+          accumulate_block(out, e0, dim, vr, p, alpha, visible, count, 16);
       }
       l[t] = sum;
       m[t] = running;
