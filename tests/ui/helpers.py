@@ -35,6 +35,27 @@ async def send(pilot: Pilot, text: str, timeout: float = 5.0) -> None:
     await pilot.pause()
 
 
+async def chat_log_settled(pilot: Pilot, frames: int = 3, timeout: float = 5.0) -> None:
+    """Let the app run until the chat log is scrolled to its end (where it scrolls at all)
+    and its scroll and size have held for ``frames`` frames: on a loaded machine a snapshot
+    taken one frame early catches the log between a reply's layout and its scroll to the
+    end."""
+    log = pilot.app.chat_log
+    seen: list[object] = []
+
+    def at_rest() -> bool:
+        recent = seen[-frames:]
+        at_end = log.max_scroll_y <= 0 or log.scroll_y == log.max_scroll_y
+        return len(recent) == frames and len(set(recent)) == 1 and at_end
+
+    deadline = time.monotonic() + timeout
+    while not at_rest():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the chat log never settled: {seen[-frames:]}")
+        await pilot.pause(0.02)
+        seen.append((log.scroll_y, log.max_scroll_y, log.size, log.virtual_size))
+
+
 def record_notifications(app) -> list[tuple[str, str]]:
     """Collect ``(message, severity)`` of every notification the app (or a screen) shows."""
     seen: list[tuple[str, str]] = []

@@ -11,7 +11,7 @@ import pytest
 
 from kvchat.ui.app import KvchatApp
 from tests.ui.fakes import FakeBackend
-from tests.ui.helpers import ready, send
+from tests.ui.helpers import chat_log_settled, ready, send
 
 SIZES = [(80, 24), (160, 48)]
 MARKDOWN_REPLY = (
@@ -32,20 +32,7 @@ async def _chat(pilot, turns: int) -> None:
     questions = ["What is the capital of France?", "And how many people live there?"]
     for i in range(turns):
         await send(pilot, questions[i % 2] if i < 2 else f"Question number {i + 1}?")
-    await settled(pilot)
-
-
-async def settled(pilot) -> None:
-    """Wait until the chat log has scrolled to its end and its layout has stopped changing
-    over a few frames: on a loaded machine a snapshot taken one frame early catches the log
-    between the reply's layout and its scroll to the end."""
-    log = pilot.app.chat_log
-    seen: list[object] = []
-    while len(seen) < 3 or len(set(seen[-3:])) > 1 or 0 < log.max_scroll_y != log.scroll_y:
-        await pilot.pause(0.02)
-        seen.append((log.scroll_y, log.max_scroll_y, log.size, log.virtual_size))
-        if len(seen) > 250:
-            raise AssertionError(f"the chat log never settled: {seen[-3:]}")
+    await chat_log_settled(pilot)
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
