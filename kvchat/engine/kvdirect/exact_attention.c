@@ -502,6 +502,10 @@ static inline float dot_lanes(const float *q, const float *k, int64_t dim) {
  * once: each level packs the halves it adds from two registers side by side, so the keys
  * share its adds. Per (row, key) these are the portable code's operations; the scores come
  * back in key order. */
+/* Heads up to this wide take fold_rows_avx512's small-head path: a block's scores together
+ * (scores_of_block) and the accumulators in four registers. */
+#define SMALL_HEAD (4 * 16)
+
 static inline __m512 scores_of_block(const float *q, const float *const *k, int64_t dim) {
   __m512 part[KEY_BLOCK];
   for (int b = 0; b < KEY_BLOCK; b++) part[b] = _mm512_setzero_ps();
@@ -577,6 +581,7 @@ static inline __attribute__((always_inline)) void accumulate_block(
 
 static void fold_rows_avx512(const Job *job, int64_t kv_head, int64_t first) {
   const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
+  const int small_head = dim <= SMALL_HEAD;
   int64_t row0, lanes;
   rows_span(job, kv_head, first, &row0, &lanes);
   float qs[lanes][dim], kbuf[KEY_BLOCK][dim], vbuf[KEY_BLOCK][dim];
@@ -617,11 +622,11 @@ static void fold_rows_avx512(const Job *job, int64_t kv_head, int64_t first) {
       /* Small heads: the block's scores together, which shares the trees' adds. Larger
        * ones key by key: on K/V beyond the caches, 16 rows read side by side come slower
        * than one after another (measured on Gemma 3's 256-wide heads). */
-      if (dim <= 64) _mm512_storeu_ps(s, scores_of_block(qs[t], kr, dim));
+      if (small_head) _mm512_storeu_ps(s, scores_of_block(qs[t], kr, dim));
       for (int64_t b = 0; b < KEY_BLOCK; b++) {
         visible[b] = b < count && is_visible(job->key_pos0 + jb + b, pos[t], window);
-        if (dim > 64) s[b] = visible[b] ? dot_lanes(qs[t], kr[b], dim) : 0.0f;
-        else if (!visible[b]) s[b] = 0.0f;
+        if (!visible[b]) s[b] = 0.0f;
+        else if (!small_head) s[b] = dot_lanes(qs[t], kr[b], dim);
         before[b] = running;
         if (visible[b] && s[b] > running) running = s[b];
         mx[b] = running;
@@ -642,7 +647,7 @@ static void fold_rows_avx512(const Job *job, int64_t kv_head, int64_t first) {
       /* Small heads in four registers, larger ones sixteen at a time: each V row is read
        * in as few passes as the registers allow. */
       float *out = acc + t * dim;
-      if (dim <= 4 * 16) {
+      if (small_head) {
         accumulate_block(out, 0, dim, vr, p, alpha, visible, count, 4);
       } else {
         for (int64_t e0 = 0; e0 < dim; e0 += 16 * 16)
