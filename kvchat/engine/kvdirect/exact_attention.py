@@ -54,6 +54,8 @@ __all__ = [
     "compile_kernel",
     "compiler",
     "exact_attention",
+    "library",
+    "pool_runner",
     "switched_on",
     "usable",
     "window_of",
@@ -167,6 +169,19 @@ def _kernel() -> ctypes.CDLL | None:
     if _library is False:
         _library = _build() if switched_on("KVCHAT_EXACT_ATTENTION") else None
     return _library or None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library (built if need be), None without one."""
+    return _kernel()
+
+
+def pool_runner() -> int:
+    """The address of the loaded kernel's ``kvchat_pool_run`` (its worker threads, which
+    kvchat's other C kernels share: ``worker_pool.h`` says why), 0 when it is not built."""
+    kernel = _kernel()
+    runner = getattr(kernel, "kvchat_pool_run", None)
+    return 0 if runner is None else ctypes.cast(runner, ctypes.c_void_p).value or 0
 
 
 def available(device: torch.device | str = "cpu") -> bool:

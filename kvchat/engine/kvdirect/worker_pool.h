@@ -89,9 +89,9 @@ static int pool_start_workers(int want) {
 }
 
 /* task(context, i) for i in [0, count) (count <= POOL_MAX_THREADS): index 0 here, the rest
-   on workers; what no worker takes, here. One caller at a time owns the workers; a
-   concurrent caller runs its indices itself. */
-static void pool_run(pool_task task, void *context, int count) {
+   on this library's workers; what no worker takes, here. One caller at a time owns the
+   workers; a concurrent caller runs its indices itself. */
+static void pool_run_here(pool_task task, void *context, int count) {
   int helpers = 0;
   const int owner = count > 1 && pthread_mutex_trylock(&pool_lock) == 0;
   if (owner) helpers = pool_start_workers(count - 1);
@@ -115,6 +115,34 @@ static void pool_run(pool_task task, void *context, int count) {
       else pool_relax();
   }
   if (owner) pthread_mutex_unlock(&pool_lock);
+}
+
+/* Sharing one pool between libraries. A decode step alternates the int4 kernel's calls
+   (four per layer) with one attention call; with a pool per library, the attention pool's
+   worker has gone to sleep by the next layer, waking it costs more than the work it takes,
+   and its polls compete for the two cores with the other pool's worker. So the Python side
+   points one library at another's pool_run (kvchat_pool_share); from then on every call
+   of this library runs on that pool, whose workers stay warm. */
+typedef void (*pool_runner)(pool_task task, void *context, int count);
+static pool_runner pool_shared = NULL;
+
+__attribute__((visibility("default"))) void kvchat_pool_run(pool_task task, void *context,
+                                                            int count) {
+  pool_run_here(task, context, count);
+}
+
+/* runner: another library's kvchat_pool_run, or NULL for this library's own workers. */
+__attribute__((visibility("default"))) void kvchat_pool_share(pool_runner runner) {
+  pool_shared = runner == kvchat_pool_run ? NULL : runner;
+}
+
+/* How many workers this library's own pool has started (tests: a sharing library starts none). */
+__attribute__((visibility("default"))) int kvchat_pool_workers(void) { return pool_workers; }
+
+static void pool_run(pool_task task, void *context, int count) {
+  const pool_runner shared = pool_shared;
+  if (shared != NULL && count > 1) shared(task, context, count);
+  else pool_run_here(task, context, count);
 }
 
 #endif

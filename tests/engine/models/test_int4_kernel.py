@@ -262,3 +262,30 @@ print(json.dumps({"growth": hwm() - before, "packed": q.numel()}))
     )
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     assert measured["growth"] < 2 * measured["packed"], measured
+
+
+def test_the_kernel_runs_on_the_attention_kernels_workers():
+    """A decode step alternates the int4 kernel with the attention kernel, so the int4
+    kernel runs its calls on the attention kernel's worker threads, starting none of its
+    own; on its own workers it gives the same bits."""
+    import ctypes
+
+    from kvchat.engine.kvdirect import exact_attention
+    from kvchat.threads import OnThreads
+
+    if not exact_attention.available():
+        pytest.skip("no attention kernel to share workers with")
+    kernel = int4_kernel.library()
+    _parts, layer = _layer(1200, 1024, seed=6)
+    x = torch.randn(3, 1024)
+    with torch.inference_mode(), OnThreads(2):
+        shared = layer(x)
+        assert kernel.kvchat_pool_workers() == 0
+        assert exact_attention.library().kvchat_pool_workers() >= 1
+        kernel.kvchat_pool_share.argtypes = [ctypes.c_void_p]
+        try:
+            kernel.kvchat_pool_share(None)
+            assert torch.equal(layer(x), shared)
+            assert kernel.kvchat_pool_workers() >= 1
+        finally:
+            kernel.kvchat_pool_share(exact_attention.pool_runner())
