@@ -35,11 +35,12 @@ EXACT = "decode step, Python layers"
 NATIVE = "decode step, C++ layers (quantized default)"
 ROWS = (MODEL_PATH, EXACT, NATIVE)
 KINDS = {
-    # The C++ halves' own time is mostly kvchat's int4 kernel, which they call directly (their
-    # norms and other ATen ops are counted as those ops). kvchat's kernels called from Python
-    # (its attention kernel; the int4 kernel for a quantized head) go through ctypes, which
-    # the profiler does not see: they land in "between ops".
-    "kvchat_native": "C++ layers' own time (their int4 multiplies)",
+    # The C++ halves' own time is mostly kvchat's int4 kernel and, in a decode step, its
+    # attention kernel, which they call directly (their norms and other ATen ops are counted
+    # as those ops). kvchat's kernels called from Python (attention where a streamed layer
+    # is pending or the C++ layers are off; the int4 kernel for a quantized head) go through
+    # ctypes, which the profiler does not see: they land in "between ops".
+    "kvchat_native": "C++ layers' own time (their int4 multiplies and attention)",
     "_weight_int4pack_mm": "int4 kernels (torch's)",
     "_weight_int8pack_mm": "int8 kernels (head)",
     "scaled_dot_product": "attention (torch's, where kvchat's kernel is off)",

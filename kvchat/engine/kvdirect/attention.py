@@ -29,7 +29,15 @@ from kvchat.engine.kvdirect import exact_attention
 
 PREFIX = "kvdirect_"
 
-__all__ = ["PREFIX", "install", "installed", "pending_stream", "route", "set_pending_stream"]
+__all__ = [
+    "PREFIX",
+    "install",
+    "installed",
+    "pending_stream",
+    "route",
+    "set_pending_stream",
+    "takes_exact_kernel",
+]
 
 # Models route() has seen: routed ones (a model switched to another attention afterwards,
 # by set_attn_implementation, is not routed again behind the caller's back), and ones with
@@ -52,6 +60,22 @@ def pending_stream(layer_idx: int) -> Any:
         return None
     _pending.set(None)
     return layer
+
+
+def takes_exact_kernel(
+    module: Any, query: Any, attention_mask: Any, n_keys: int, window: int | None
+) -> bool:
+    """Whether the routed attention would hand this call, with the K/V the cache's
+    ``update`` just returned, straight to :func:`exact_attention.exact_attention` (no
+    streamed layer pending for it, the model routed from a non-eager attention, and the
+    kernel usable). A decode step that can call the kernel itself asks this first."""
+    implementation = str(getattr(module.config, "_attn_implementation", "") or "")
+    if not implementation.startswith(PREFIX) or implementation == PREFIX + "eager":
+        return False
+    layer = _pending.get()
+    if layer is not None and layer.layer_idx == module.layer_idx and layer.pending_cold is not None:
+        return False
+    return exact_attention.usable(module, query, attention_mask, n_keys, window)
 
 
 def _configs(modules: list[Any]) -> list[Any]:

@@ -54,6 +54,7 @@ __all__ = [
     "compile_kernel",
     "compiler",
     "exact_attention",
+    "kernel_address",
     "library",
     "pool_runner",
     "switched_on",
@@ -174,6 +175,14 @@ def _kernel() -> ctypes.CDLL | None:
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library (built if need be), None without one."""
     return _kernel()
+
+
+def kernel_address() -> int:
+    """The address of the loaded kernel's whole-call function (``kvchat_attention``), which
+    kvchat's C++ decode layers call with :func:`exact_attention`'s operands; 0 when it is
+    not built."""
+    function = getattr(_kernel(), "kvchat_attention", None)
+    return 0 if function is None else ctypes.cast(function, ctypes.c_void_p).value or 0
 
 
 def pool_runner() -> int:

@@ -1,5 +1,6 @@
 /* Worker threads kept between calls, shared by kvchat's C kernels (exact_attention.c and
-   the int4 kernel include this file; each library gets a pool of its own).
+   the int4 kernel include this file; each library gets a pool of its own, which another
+   library can be pointed at: kvchat_pool_share, below).
 
    Why: a decode step makes a few hundred kernel calls of tens to hundreds of microseconds,
    and starting a thread per call cost a large share of each. A worker polls for its next

@@ -26,7 +26,10 @@ each layer's two halves around the cache's update and attention (the norms, q/k/
 rotary; then o_proj and the MLP) run in ``kvchat.engine.models.native`` once its library is
 built (in the background, at first use) and has given these halves' bits on this machine;
 until then, without a C++ compiler, or with ``KVCHAT_NATIVE=0``, the Python halves below
-run, with the same output.
+run, with the same output. Where the routed attention would call the exact kernel as it
+stands (no streamed layer pending, a causal mask or none), the second half calls it itself
+(``takes_exact_kernel``), with the operands kvchat's attention function hands it: the same
+bits, without the Python around a ctypes call in every layer.
 
 What it does not do: module hooks do not fire (nothing of transformers' or torch's hook
 machinery runs). A cache that keeps the layers' inputs (the KV-Direct cache's residual
@@ -45,6 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvchat.engine.kvdirect.attention import takes_exact_kernel
+from kvchat.engine.kvdirect.exact_attention import window_of
 from kvchat.engine.kvdirect.interface import layer_input_observer
 
 __all__ = ["DecodeStep", "decode_step_for", "forget_decode_step", "prepare_decode_step"]
@@ -240,6 +245,7 @@ class DecodeStep:
         note_input = layer_input_observer(cache)
         native = self._native_layers() if hidden.dtype == torch.float32 else None
         attention = self._attention_function()
+        attends = native is not None and native.attention_kernel != 0
         for layer in self.layers:
             index = layer.index
             if note_input is not None:
@@ -249,10 +255,15 @@ class DecodeStep:
             else:
                 query, key, value = self.python_before_attention(layer, hidden, cos, sin)
             key, value = cache.update(key, value, index)
-            out, _ = attention(
-                layer.attention, query, key, value, mask, dropout=0.0,
-                scaling=layer.attention.scaling,
-            )  # fmt: skip
+            module, scaling = layer.attention, layer.attention.scaling
+            if attends and takes_exact_kernel(
+                module, query, mask, key.shape[-2], window_of(module, {})
+            ):
+                hidden = native.attended_after_attention(
+                    index, hidden, query, key, value, scaling, window_of(module, {})
+                )
+                continue
+            out, _ = attention(module, query, key, value, mask, dropout=0.0, scaling=scaling)
             attended = out.reshape(1, 1, -1)
             if native is not None:
                 hidden = native.after_attention(index, hidden, attended)
@@ -434,6 +445,7 @@ class Gemma3DecodeStep(DecodeStep):
         note_input = layer_input_observer(cache)
         native = self._native_layers() if hidden.dtype == torch.float32 else None
         attention = self._attention_function()
+        attends = native is not None and native.attention_kernel != 0
         for layer, parts in zip(self.layers, self.gemma):
             index = layer.index
             if note_input is not None:
@@ -444,9 +456,15 @@ class Gemma3DecodeStep(DecodeStep):
             else:
                 query, key, value = self.python_before_attention(layer, hidden, cos, sin)
             key, value = cache.update(key, value, index)
+            module, mask = layer.attention, masks[parts.kind]
+            if attends and takes_exact_kernel(module, query, mask, key.shape[-2], parts.window):
+                hidden = native.attended_after_attention(
+                    index, hidden, query, key, value, module.scaling, parts.window
+                )
+                continue
             out, _ = attention(
-                layer.attention, query, key, value, masks[parts.kind], dropout=0.0,
-                scaling=layer.attention.scaling, sliding_window=parts.window,
+                module, query, key, value, mask, dropout=0.0,
+                scaling=module.scaling, sliding_window=parts.window,
             )  # fmt: skip
             attended = out.reshape(1, 1, -1)
             if native is not None:

@@ -11,6 +11,12 @@
 // (kvchat/engine/models/int4_kernel.c, float32 activations), called through the address of
 // the function the Python side loaded, so both sides run the same compiled code, on the
 // thread count the Python side passes (its bits do not depend on it).
+//
+// The attended_ ops put a decode step's attention in front of the second half: kvchat's
+// exact attention kernel (kvchat/engine/kvdirect/exact_attention.c), called through the
+// address the Python side loaded, with the operands exact_attention.exact_attention hands
+// it, so the same bits as that function followed by the half alone; what it saves is the
+// Python around a ctypes call, once per layer.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -142,6 +148,64 @@ Tensor gemma_after_attention(
   return hidden + gemma_norm(down.reshape({1, 1, -1}), post_ff_weight, post_ff_eps);
 }
 
+using AttentionKernel = int32_t (*)(const float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                    float, int64_t, const void*, const void*, int32_t, int64_t,
+                                    int64_t, int64_t, int64_t, int64_t, float*, int32_t);
+
+// exact_attention.exact_attention for a float32 query: the attention output, [1, 1, heads *
+// head_dim], of query [1, heads, q_len, d] over the cache's key/value [1, kv_heads, n, d].
+Tensor attend(const Tensor& query, Tensor key, Tensor value, double scaling, int64_t window,
+              int64_t kernel, int64_t threads) {
+  TORCH_CHECK(query.size(0) == 1 && query.scalar_type() == at::kFloat,
+              "attend takes one float32 sequence");
+  auto q = query.select(0, 0).contiguous();
+  const auto dtype = key.scalar_type();
+  if ((dtype != at::kFloat && dtype != at::kBFloat16) || dtype != value.scalar_type()) {
+    key = key.to(at::kFloat);
+    value = value.to(at::kFloat);
+  }
+  if (key.stride(-1) != 1) key = key.contiguous();
+  if (value.stride(-1) != 1) value = value.contiguous();
+  const int64_t heads = q.size(0), q_len = q.size(1), dim = q.size(2), n = key.size(-2);
+  auto out = at::empty({1, q_len, heads, dim}, q.options());
+  const int32_t failed = reinterpret_cast<AttentionKernel>(kernel)(
+      q.data_ptr<float>(), heads, q_len, dim, key.size(1), n - q_len,
+      static_cast<float>(scaling), window, key.data_ptr(), value.data_ptr(),
+      key.scalar_type() == at::kBFloat16 ? 1 : 0, key.stride(1), key.stride(2),
+      value.stride(1), value.stride(2), n, out.data_ptr<float>(), static_cast<int32_t>(threads));
+  TORCH_CHECK_WITH(OutOfMemoryError, failed == 0, "no memory for attention's state");
+  return out.reshape({1, 1, -1});
+}
+
+Tensor attended_after_attention(
+    const Tensor& residual, const Tensor& query, const Tensor& key, const Tensor& value,
+    double scaling, int64_t window, int64_t attention_kernel, const Tensor& o_weight,
+    const Tensor& o_scales, int64_t o_group, const Tensor& norm_weight, double eps,
+    const Tensor& gate_up_weight, const Tensor& gate_up_scales, int64_t gate_up_group,
+    int64_t gate_width, const Tensor& down_weight, const Tensor& down_scales,
+    int64_t down_group, int64_t kernel, int64_t threads) {
+  auto attended = attend(query, key, value, scaling, window, attention_kernel, threads);
+  return after_attention(residual, attended, o_weight, o_scales, o_group, norm_weight, eps,
+                         gate_up_weight, gate_up_scales, gate_up_group, gate_width,
+                         down_weight, down_scales, down_group, kernel, threads);
+}
+
+Tensor gemma_attended_after_attention(
+    const Tensor& residual, const Tensor& query, const Tensor& key, const Tensor& value,
+    double scaling, int64_t window, int64_t attention_kernel, const Tensor& o_weight,
+    const Tensor& o_scales, int64_t o_group, const Tensor& post_norm_weight, double post_eps,
+    const Tensor& pre_ff_weight, double pre_ff_eps, const Tensor& gate_up_weight,
+    const Tensor& gate_up_scales, int64_t gate_up_group, int64_t gate_width,
+    const Tensor& down_weight, const Tensor& down_scales, int64_t down_group,
+    const Tensor& post_ff_weight, double post_ff_eps, int64_t kernel, int64_t threads) {
+  auto attended = attend(query, key, value, scaling, window, attention_kernel, threads);
+  return gemma_after_attention(residual, attended, o_weight, o_scales, o_group,
+                               post_norm_weight, post_eps, pre_ff_weight, pre_ff_eps,
+                               gate_up_weight, gate_up_scales, gate_up_group, gate_width,
+                               down_weight, down_scales, down_group, post_ff_weight,
+                               post_ff_eps, kernel, threads);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvchat_native, m) {
@@ -169,4 +233,19 @@ TORCH_LIBRARY(kvchat_native, m) {
       "int gate_up_group, int gate_width, Tensor down_weight, Tensor down_scales, "
       "int down_group, Tensor post_ff_weight, float post_ff_eps, int kernel, int threads) -> Tensor",
       gemma_after_attention);
+  m.def(
+      "attended_after_attention(Tensor residual, Tensor query, Tensor key, Tensor value, "
+      "float scaling, int window, int attention_kernel, "
+      "Tensor o_weight, Tensor o_scales, int o_group, Tensor norm_weight, float eps, "
+      "Tensor gate_up_weight, Tensor gate_up_scales, int gate_up_group, int gate_width, "
+      "Tensor down_weight, Tensor down_scales, int down_group, int kernel, int threads) -> Tensor",
+      attended_after_attention);
+  m.def(
+      "gemma_attended_after_attention(Tensor residual, Tensor query, Tensor key, Tensor value, "
+      "float scaling, int window, int attention_kernel, Tensor o_weight, "
+      "Tensor o_scales, int o_group, Tensor post_norm_weight, float post_eps, "
+      "Tensor pre_ff_weight, float pre_ff_eps, Tensor gate_up_weight, Tensor gate_up_scales, "
+      "int gate_up_group, int gate_width, Tensor down_weight, Tensor down_scales, "
+      "int down_group, Tensor post_ff_weight, float post_ff_eps, int kernel, int threads) -> Tensor",
+      gemma_attended_after_attention);
 }

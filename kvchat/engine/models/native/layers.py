@@ -161,12 +161,19 @@ class NativeLayers:
                 after = (*o_proj, *post_norm, *gate_up, *_projection(layer.down))
             self.before.append(before)
             self.after.append(after)
+        from kvchat.engine.kvdirect import exact_attention
         from kvchat.engine.models import int4_kernel
 
         self.kernel = int4_kernel.function_address()
+        # The attention kernel the attended half calls (0: not built; the step then calls
+        # attention from Python).
+        self.attention_kernel = exact_attention.kernel_address()
         ops = torch.ops.kvchat_native
         self._before_op = ops.gemma_before_attention if gemma else ops.before_attention
         self._after_op = ops.gemma_after_attention if gemma else ops.after_attention
+        self._attended_op = (
+            ops.gemma_attended_after_attention if gemma else ops.attended_after_attention
+        )
 
     def before_attention(
         self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -179,8 +186,27 @@ class NativeLayers:
         """The layer's output from its input and its attention output ([1, 1, H * d])."""
         return self._after_op(residual, attended, *self.after[index], self.kernel, kernel_threads())
 
+    def attended_after_attention(
+        self,
+        index: int,
+        residual: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """:func:`~kvchat.engine.kvdirect.exact_attention.exact_attention` of the query over
+        the cache's K/V, then :meth:`after_attention`, in one call (the step asks
+        ``takes_exact_kernel`` first; ``attention_kernel`` must be set)."""
+        return self._attended_op(
+            residual, query, key, value, scaling, int(window or 0), self.attention_kernel,
+            *self.after[index], self.kernel, kernel_threads(),
+        )  # fmt: skip
+
     def agrees(self, step: Any) -> bool:
-        """Whether layer 0 gives the Python step's bits, on random inputs."""
+        """Whether layer 0 gives the Python step's bits, on random inputs (the attended half
+        too, against the exact kernel called from Python)."""
         layer = step.layers[0]
         generator = torch.Generator().manual_seed(0)
         hidden_size = layer.input_norm.weight.shape[0]
@@ -196,4 +222,31 @@ class NativeLayers:
             attended = torch.randn(1, 1, width, generator=generator)
             out = self.after_attention(0, hidden, attended)
             expected = step.after_attention(layer, hidden, attended)
-        return bool(torch.equal(out, expected))
+            if not torch.equal(out, expected):
+                return False
+            if self.attention_kernel:
+                return self._attends_alike(hidden, mine, generator)
+        return True
+
+    def _attends_alike(
+        self,
+        hidden: torch.Tensor,
+        projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        generator: torch.Generator,
+    ) -> bool:
+        """The attended half against exact_attention then the half, over 37 random keys
+        (float32 and bfloat16 K/V, as caches hold them), with and without a window."""
+        from kvchat.engine.kvdirect.exact_attention import exact_attention
+
+        query, key, value = projected
+        shape = (1, key.shape[1], 37, self.head_dim)
+        for dtype, window in ((torch.float32, None), (torch.bfloat16, 5)):
+            keys = torch.randn(shape, generator=generator).to(dtype)
+            values = torch.randn(shape, generator=generator).to(dtype)
+            scaling = self.head_dim**-0.5
+            attended = exact_attention(query, keys, values, scaling, window)
+            expected = self.after_attention(0, hidden, attended.reshape(1, 1, -1))
+            out = self.attended_after_attention(0, hidden, query, keys, values, scaling, window)
+            if not torch.equal(out, expected):
+                return False
+        return True

@@ -23,17 +23,21 @@ def native_step(model):
     return step
 
 
-def counting(step):
-    """Count the C++ layers' calls (so a test knows they ran)."""
+def counting(step, kinds=("after_attention", "attended_after_attention")):
+    """Count the calls of the C++ layers' second halves (so a test knows they ran): the
+    half alone, and the one that calls the attention kernel first."""
     calls = []
     layers = step.native
-    run = layers.after_attention
 
-    def counted(*args):
-        calls.append(args[0])
-        return run(*args)
+    def counted(run):
+        def call(*args):
+            calls.append(args[0])
+            return run(*args)
 
-    layers.after_attention = counted
+        return call
+
+    for kind in kinds:
+        setattr(layers, kind, counted(getattr(layers, kind)))
     return calls
 
 
@@ -124,3 +128,21 @@ def test_real_models_decode_the_same_through_the_cpp_layers(name):
     assert calls
     assert cpp[0] == py[0]
     assert all(torch.equal(a, b) for a, b in zip(cpp[1], py[1]))
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", ["smollm2", "gemma3"])
+def test_decode_steps_call_the_attention_kernel_from_the_cpp_half(shape):
+    """Every layer of a decode step on the standard cache calls the attention kernel from
+    the C++ half (no Python attention call in between); the bits are the Python step's
+    (the test above)."""
+    model = model_in(shape, "int4", torch.float32)
+    step = native_step(model)
+    assert step.native.attention_kernel != 0
+    calls = counting(step, kinds=("attended_after_attention",))
+    try:
+        run_conversation(model, DynamicCache(config=model.config))
+    finally:
+        forget_decode_step(model)
+    steps = len(calls) // len(step.layers)
+    assert steps > 30 and len(calls) == steps * len(step.layers)
