@@ -266,23 +266,43 @@ print(json.dumps({"growth": hwm() - before, "packed": q.numel()}))
 
 def test_the_kernel_runs_on_the_attention_kernels_workers():
     """A decode step alternates the int4 kernel with the attention kernel, so the int4
-    kernel runs its calls on the attention kernel's worker threads, starting none of its
-    own; on its own workers it gives the same bits."""
+    kernel runs its calls on the attention kernel's worker threads and starts none of its
+    own (in a fresh process: a test here may have loaded it with attention off); on its own
+    workers it gives the same bits."""
     import ctypes
+    import json
+    import subprocess
+    import sys
 
     from kvchat.engine.kvdirect import exact_attention
     from kvchat.threads import OnThreads
 
     if not exact_attention.available():
         pytest.skip("no attention kernel to share workers with")
+    script = """
+import json, torch
+from kvchat.engine.kvdirect import exact_attention
+from kvchat.engine.models import int4_kernel, qlinear
+from kvchat.threads import OnThreads
+layer = qlinear.Int4Linear(qlinear.quantize_int4(torch.randn(1200, 1024) * 0.05), None)
+with torch.inference_mode(), OnThreads(2):
+    layer(torch.randn(3, 1024))
+print(json.dumps([int4_kernel.library().kvchat_pool_workers(),
+                  exact_attention.library().kvchat_pool_workers()]))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    own, attention = json.loads(out.stdout.strip().splitlines()[-1])
+    assert own == 0 and attention >= 1
+
     kernel = int4_kernel.library()
+    kernel.kvchat_pool_share.argtypes = [ctypes.c_void_p]
     _parts, layer = _layer(1200, 1024, seed=6)
     x = torch.randn(3, 1024)
     with torch.inference_mode(), OnThreads(2):
+        kernel.kvchat_pool_share(exact_attention.pool_runner())
         shared = layer(x)
-        assert kernel.kvchat_pool_workers() == 0
-        assert exact_attention.library().kvchat_pool_workers() >= 1
-        kernel.kvchat_pool_share.argtypes = [ctypes.c_void_p]
         try:
             kernel.kvchat_pool_share(None)
             assert torch.equal(layer(x), shared)
