@@ -63,14 +63,19 @@ def pending_stream(layer_idx: int) -> Any:
 
 
 def takes_exact_kernel(
-    module: Any, query: Any, attention_mask: Any, n_keys: int, window: int | None
+    attention_function: Any,
+    module: Any,
+    query: Any,
+    attention_mask: Any,
+    n_keys: int,
+    window: int | None,
 ) -> bool:
-    """Whether the routed attention would hand this call, with the K/V the cache's
-    ``update`` just returned, straight to :func:`exact_attention.exact_attention` (no
-    streamed layer pending for it, the model routed from a non-eager attention, and the
-    kernel usable). A decode step that can call the kernel itself asks this first."""
-    implementation = str(getattr(module.config, "_attn_implementation", "") or "")
-    if not implementation.startswith(PREFIX) or implementation == PREFIX + "eager":
+    """Whether ``attention_function`` (what the model's attention interface holds for its
+    implementation) would hand this call, with the K/V the cache's ``update`` just
+    returned, straight to :func:`exact_attention.exact_attention`: it is kvchat's, routed
+    from a non-eager attention, no streamed layer is pending for the module, and the kernel
+    is usable. A decode step that can call the kernel itself asks this first."""
+    if not getattr(attention_function, "exact_kernel_first", False):
         return False
     layer = _pending.get()
     if layer is not None and layer.layer_idx == module.layer_idx and layer.pending_cold is not None:
@@ -149,6 +154,7 @@ def install(attention_modules: list[Any]) -> None:
             function = inner or _module_eager(module)
             return function(module, query, key, value, attention_mask, **kwargs)
 
+        attention.exact_kernel_first = inner is not None  # read by takes_exact_kernel
         AttentionInterface.register(name, attention)
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
     for config in configs:

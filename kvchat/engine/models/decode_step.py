@@ -257,7 +257,7 @@ class DecodeStep:
             key, value = cache.update(key, value, index)
             module, scaling = layer.attention, layer.attention.scaling
             if attends and takes_exact_kernel(
-                module, query, mask, key.shape[-2], window_of(module, {})
+                attention, module, query, mask, key.shape[-2], window_of(module, {})
             ):
                 hidden = native.attended_after_attention(
                     index, hidden, query, key, value, scaling, window_of(module, {})
@@ -457,7 +457,9 @@ class Gemma3DecodeStep(DecodeStep):
                 query, key, value = self.python_before_attention(layer, hidden, cos, sin)
             key, value = cache.update(key, value, index)
             module, mask = layer.attention, masks[parts.kind]
-            if attends and takes_exact_kernel(module, query, mask, key.shape[-2], parts.window):
+            if attends and takes_exact_kernel(
+                attention, module, query, mask, key.shape[-2], parts.window
+            ):
                 hidden = native.attended_after_attention(
                     index, hidden, query, key, value, module.scaling, parts.window
                 )
