@@ -264,7 +264,7 @@ print(json.dumps({"growth": hwm() - before, "packed": q.numel()}))
     assert measured["growth"] < 2 * measured["packed"], measured
 
 
-def test_the_kernel_runs_on_the_attention_kernels_workers():
+def test_the_kernel_runs_on_the_attention_kernels_workers(monkeypatch):
     """A decode step alternates the int4 kernel with the attention kernel, so the int4
     kernel runs its calls on the attention kernel's worker threads and starts none of its
     own (in a fresh process: a test here may have loaded it with attention off); on its own
@@ -275,7 +275,6 @@ def test_the_kernel_runs_on_the_attention_kernels_workers():
     import sys
 
     from kvchat.engine.kvdirect import exact_attention
-    from kvchat.threads import OnThreads
 
     if not exact_attention.available():
         pytest.skip("no attention kernel to share workers with")
@@ -300,7 +299,9 @@ print(json.dumps([int4_kernel.library().kvchat_pool_workers(),
     kernel.kvchat_pool_share.argtypes = [ctypes.c_void_p]
     _parts, layer = _layer(1200, 1024, seed=6)
     x = torch.randn(3, 1024)
-    with torch.inference_mode(), OnThreads(2):
+    # two kernel threads whatever count an earlier test in this process settled on
+    monkeypatch.setattr(int4_kernel, "kernel_threads", lambda: 2)
+    with torch.inference_mode():
         kernel.kvchat_pool_share(exact_attention.pool_runner())
         shared = layer(x)
         try:
