@@ -256,11 +256,12 @@ class DecodeStep:
                 query, key, value = self.python_before_attention(layer, hidden, cos, sin)
             key, value = cache.update(key, value, index)
             module, scaling = layer.attention, layer.attention.scaling
+            window = window_of(module, {})
             if attends and takes_exact_kernel(
-                attention, module, query, mask, key.shape[-2], window_of(module, {})
+                attention, module, query, mask, key.shape[-2], window
             ):
                 hidden = native.attended_after_attention(
-                    index, hidden, query, key, value, scaling, window_of(module, {})
+                    index, hidden, query, key, value, scaling, window
                 )
                 continue
             out, _ = attention(module, query, key, value, mask, dropout=0.0, scaling=scaling)

@@ -146,3 +146,20 @@ def test_decode_steps_call_the_attention_kernel_from_the_cpp_half(shape):
         forget_decode_step(model)
     steps = len(calls) // len(step.layers)
     assert steps > 30 and len(calls) == steps * len(step.layers)
+
+
+@needs_compiler
+def test_an_attended_half_that_disagrees_leaves_attention_to_python(monkeypatch):
+    """If the attended half's bits differ from the exact kernel's called from Python, only
+    that half is given up: the C++ halves still serve, and attention runs from Python."""
+    monkeypatch.setattr(NativeLayers, "attends_alike", lambda self, *args: False)
+    model = model_in("smollm2", "int4", torch.float32)
+    step = native_step(model)
+    assert step.native.attention_kernel == 0
+    attended = counting(step, kinds=("attended_after_attention",))
+    halves = counting(step, kinds=("after_attention",))
+    try:
+        run_conversation(model, DynamicCache(config=model.config))
+    finally:
+        forget_decode_step(model)
+    assert not attended and len(halves) > len(step.layers)
