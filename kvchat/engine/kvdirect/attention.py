@@ -53,12 +53,19 @@ def set_pending_stream(layer: Any) -> None:
     _pending.set(layer)
 
 
-def pending_stream(layer_idx: int) -> Any:
-    """The layer left pending for ``layer_idx`` (and forget it), else None."""
+def _pending_for(layer_idx: int) -> Any:
+    """The layer left pending for ``layer_idx``, else None (it stays pending)."""
     layer = _pending.get()
     if layer is None or layer.layer_idx != layer_idx or layer.pending_cold is None:
         return None
-    _pending.set(None)
+    return layer
+
+
+def pending_stream(layer_idx: int) -> Any:
+    """The layer left pending for ``layer_idx`` (and forget it), else None."""
+    layer = _pending_for(layer_idx)
+    if layer is not None:
+        _pending.set(None)
     return layer
 
 
@@ -77,8 +84,7 @@ def takes_exact_kernel(
     is usable. A decode step that can call the kernel itself asks this first."""
     if not getattr(attention_function, "exact_kernel_first", False):
         return False
-    layer = _pending.get()
-    if layer is not None and layer.layer_idx == module.layer_idx and layer.pending_cold is not None:
+    if _pending_for(module.layer_idx) is not None:
         return False
     return exact_attention.usable(module, query, attention_mask, n_keys, window)
 

@@ -496,16 +496,16 @@ static inline float dot_lanes(const float *q, const float *k, int64_t dim) {
   return _mm512_cvtss_f32(part);
 }
 
+/* Heads up to this wide take fold_rows_avx512's small-head path: a block's scores together
+ * (scores_of_block) and the accumulators in four registers. */
+#define SMALL_HEAD (4 * 16)
+
 /* A key block's scores for one row: key b's PARTS partial sums are the lanes of part[b]
  * (element e into lane e % PARTS, in order of e; elements past dim take nothing), then every
  * key's fixed tree (lane i gets lane i + width added, width 8, 4, 2, 1) runs on 16 keys at
  * once: each level packs the halves it adds from two registers side by side, so the keys
  * share its adds. Per (row, key) these are the portable code's operations; the scores come
  * back in key order. */
-/* Heads up to this wide take fold_rows_avx512's small-head path: a block's scores together
- * (scores_of_block) and the accumulators in four registers. */
-#define SMALL_HEAD (4 * 16)
-
 static inline __m512 scores_of_block(const float *q, const float *const *k, int64_t dim) {
   __m512 part[KEY_BLOCK];
   for (int b = 0; b < KEY_BLOCK; b++) part[b] = _mm512_setzero_ps();

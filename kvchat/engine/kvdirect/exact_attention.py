@@ -58,6 +58,7 @@ __all__ = [
     "library",
     "pool_runner",
     "switched_on",
+    "symbol_address",
     "usable",
     "window_of",
 ]
@@ -177,20 +178,24 @@ def library() -> ctypes.CDLL | None:
     return _kernel()
 
 
+def symbol_address(library: ctypes.CDLL | None, name: str) -> int:
+    """The address of function ``name`` in a loaded kvchat library (for C or C++ code that
+    calls it directly), 0 without the library or the function."""
+    function = getattr(library, name, None)
+    return 0 if function is None else ctypes.cast(function, ctypes.c_void_p).value or 0
+
+
 def kernel_address() -> int:
     """The address of the loaded kernel's whole-call function (``kvchat_attention``), which
     kvchat's C++ decode layers call with :func:`exact_attention`'s operands; 0 when it is
     not built."""
-    function = getattr(_kernel(), "kvchat_attention", None)
-    return 0 if function is None else ctypes.cast(function, ctypes.c_void_p).value or 0
+    return symbol_address(_kernel(), "kvchat_attention")
 
 
 def pool_runner() -> int:
     """The address of the loaded kernel's ``kvchat_pool_run`` (its worker threads, which
     kvchat's other C kernels share: ``worker_pool.h`` says why), 0 when it is not built."""
-    kernel = _kernel()
-    runner = getattr(kernel, "kvchat_pool_run", None)
-    return 0 if runner is None else ctypes.cast(runner, ctypes.c_void_p).value or 0
+    return symbol_address(_kernel(), "kvchat_pool_run")
 
 
 def available(device: torch.device | str = "cpu") -> bool:

@@ -134,10 +134,9 @@ def tiles_available() -> bool:
 def function_address() -> int:
     """The address of the loaded kernel's function (the C++ decode layers call it), 0 when
     it is not built."""
-    kernel = _kernel()
-    if kernel is None:
-        return 0
-    return ctypes.cast(kernel.kvchat_int4_matmul, ctypes.c_void_p).value or 0
+    from kvchat.engine.kvdirect.exact_attention import symbol_address
+
+    return symbol_address(_kernel(), "kvchat_int4_matmul")
 
 
 def kernel_form(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
