@@ -66,7 +66,9 @@ def _command(cxx: str, output: Path) -> list[str]:
     libraries = [str(root / "lib")]
     links = [f"-L{p}" for p in libraries] + [f"-Wl,-rpath,{p}" for p in libraries]
     return [
-        cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        # -ffp-contract=off: the library's loops round every product and sum alone.
+        cxx, "-O2", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes, str(SOURCE), *links, "-ltorch_cpu", "-lc10", "-o", str(output),
     ]  # fmt: skip
 

@@ -1,9 +1,16 @@
 // One decoder layer's decode step (one token) for kvchat's quantized CPU models, in two
-// halves around the cache's update: the same ATen ops, in the same order and dtypes, as
-// kvchat/engine/models/decode_step.py spells them in Python (so the same bits; the Python side
-// checks that on this machine before it uses this library). What it saves is Python: at one
-// row per call a layer is ~50 short ops, and calling them from here costs the dispatcher
-// only, not the interpreter and torch's Python bindings.
+// halves around the cache's update: the arithmetic kvchat/engine/models/decode_step.py spells
+// in Python, rounded the same way (so the same bits; the Python side checks that on this
+// machine before it uses this library). What it saves is Python and the dispatcher: at one
+// row per call a layer is ~50 short ATen ops from Python, and ~8 from here.
+//
+// Which ops stay ATen's and why: the sums inside every RMSNorm (at::sum, whose order of
+// additions is ATen's own and depends on the CPU's vector width), SiLU and tanh-GELU (ATen's
+// vectorized exp and tanh round differently from libm's), and torch's int4/int8 kernels. The
+// rest (squares, the mean's division, rsqrt, the norm's products, the rotary products, the
+// residual adds, the gate times up) is one IEEE operation per element, so a plain loop rounds
+// each element exactly as ATen's vectorized loop does; built with -ffp-contract=off so no
+// product and sum fuse into one rounding.
 //
 // A projection is (weight, scales, group): group > 0 is torch's int4 CPU kernel with that
 // group size, group == 0 its int8 kernel, with activations cast to bfloat16 around them as
@@ -22,6 +29,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 #include <tuple>
 
@@ -29,10 +37,86 @@ namespace {
 
 using at::Tensor;
 
+float* floats(const Tensor& t) { return t.data_ptr<float>(); }
+
+Tensor fresh_like(const Tensor& t) { return at::empty(t.sizes(), t.options()); }
+
+// Each row's mean of squares over its last `width` values, as x.pow(2).mean(-1) rounds it:
+// the squares one by one, their sum by at::sum, the division by the count.
+Tensor mean_squares(const float* x, int64_t rows, int64_t width, const at::TensorOptions& opts) {
+  auto squares = at::empty({rows, width}, opts);
+  float* s = floats(squares);
+  for (int64_t i = 0; i < rows * width; ++i) s[i] = x[i] * x[i];
+  auto sums = at::sum(squares, {-1});
+  float* m = floats(sums);
+  const float count = static_cast<float>(width);
+  for (int64_t r = 0; r < rows; ++r) m[r] = m[r] / count;
+  return sums;
+}
+
+// 1 / sqrt(mean + eps) per row: rsqrt(variance + eps) with eps rounded to float first, as a
+// Python float added to a float32 tensor is.
+Tensor inverse_rms(const float* x, int64_t rows, int64_t width, double eps,
+                   const at::TensorOptions& opts) {
+  auto factors = mean_squares(x, rows, width, opts);
+  float* f = floats(factors);
+  const float e = static_cast<float>(eps);
+  for (int64_t r = 0; r < rows; ++r) f[r] = 1.0f / std::sqrt(f[r] + e);
+  return factors;
+}
+
+// LlamaRMSNorm.forward on float32 input: weight * (hidden * rsqrt(variance + eps)).
 Tensor rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
-  // LlamaRMSNorm.forward on float32 input.
-  auto variance = hidden.pow(2).mean(-1, /*keepdim=*/true);
-  return weight * (hidden * at::rsqrt(variance + eps));
+  auto h = hidden.contiguous();
+  const int64_t width = h.size(-1), rows = h.numel() / width;
+  auto factors = inverse_rms(floats(h), rows, width, eps, h.options());
+  auto out = fresh_like(h);
+  const float *x = floats(h), *w = floats(weight), *f = floats(factors);
+  float* o = floats(out);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < width; ++i) o[r * width + i] = w[i] * (x[r * width + i] * f[r]);
+  return out;
+}
+
+// Gemma3RMSNorm.forward on float32 input, over the last dim of `rows` contiguous rows at
+// `x`, into `out`: (hidden * rsqrt(variance + eps)) * (1 + weight).
+void gemma_norm_into(const float* x, int64_t rows, int64_t width, const Tensor& weight,
+                     double eps, float* out, const at::TensorOptions& opts) {
+  auto factors = inverse_rms(x, rows, width, eps, opts);
+  const float *w = floats(weight), *f = floats(factors);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < width; ++i)
+      out[r * width + i] = (x[r * width + i] * f[r]) * (1.0f + w[i]);
+}
+
+Tensor gemma_norm(const Tensor& hidden, const Tensor& weight, double eps) {
+  auto h = hidden.contiguous();
+  const int64_t width = h.size(-1);
+  auto out = fresh_like(h);
+  gemma_norm_into(floats(h), h.numel() / width, width, weight, eps, floats(out), h.options());
+  return out;
+}
+
+// The rotary products of `heads` rows of head_dim values at `x`, into `out`:
+// x * cos + rotate_half(x) * sin, cos and sin being one row of head_dim.
+void rotate_into(const float* x, int64_t heads, int64_t head_dim, const float* cos,
+                 const float* sin, float* out) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* row = x + h * head_dim;
+    float* to = out + h * head_dim;
+    for (int64_t i = 0; i < head_dim; ++i) {
+      const float turned = i < half ? -row[i + half] : row[i - half];
+      const float a = row[i] * cos[i];
+      const float b = turned * sin[i];
+      to[i] = a + b;
+    }
+  }
+}
+
+// x + y, elementwise, into x (a tensor of this file's own).
+void add_into(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
 }
 
 using Int4Kernel = void (*)(const float*, int64_t, int64_t, const uint8_t*, const uint16_t*,
@@ -56,7 +140,12 @@ Tensor project(const Tensor& x, const Tensor& weight, const Tensor& scales, int6
   auto rows = x.reshape({-1, x.size(-1)}).to(at::kBFloat16);
   auto out = group > 0 ? at::_weight_int4pack_mm_for_cpu(rows, weight, group, scales)
                        : at::_weight_int8pack_mm(rows, weight, scales);
-  return out.to(at::kFloat);
+  return out.to(at::kFloat).contiguous();
+}
+
+// [1, heads, 1, head_dim] heads of a one-row projection's columns [from, to), as views.
+Tensor heads_of(const Tensor& stacked, int64_t from, int64_t to, int64_t head_dim) {
+  return stacked.slice(1, from, to).view({1, 1, -1, head_dim}).transpose(1, 2);
 }
 
 // Input norm, the stacked q/k/v projection and the rotary products: the rotated query and
@@ -70,13 +159,12 @@ std::tuple<Tensor, Tensor, Tensor> before_attention(
     int64_t kernel, int64_t threads) {
   auto x = rms_norm(hidden, norm_weight, eps);
   auto stacked = project(x, qkv_weight, qkv_scales, qkv_group, kernel, threads);
-  if (qkv_bias.has_value()) stacked = stacked + *qkv_bias;
-  auto qk = stacked.slice(1, 0, q_width + k_width).view({1, 1, -1, head_dim}).transpose(1, 2);
-  auto half = head_dim / 2;
-  auto rotated = at::cat({-qk.slice(-1, half), qk.slice(-1, 0, half)}, -1);
-  qk = (qk * cos) + (rotated * sin);
-  auto q_heads = q_width / head_dim;
-  auto value = stacked.slice(1, q_width + k_width).view({1, 1, -1, head_dim}).transpose(1, 2);
+  if (qkv_bias.has_value()) add_into(floats(stacked), floats(*qkv_bias), stacked.numel());
+  const int64_t heads = (q_width + k_width) / head_dim, q_heads = q_width / head_dim;
+  auto qk = at::empty({1, heads, 1, head_dim}, stacked.options());
+  rotate_into(floats(stacked), heads, head_dim, floats(cos.contiguous()),
+              floats(sin.contiguous()), floats(qk));
+  auto value = heads_of(stacked, q_width + k_width, stacked.size(1), head_dim);
   return {qk.slice(1, 0, q_heads), qk.slice(1, q_heads), value};
 }
 
@@ -88,26 +176,28 @@ Tensor after_attention(
     const Tensor& gate_up_weight, const Tensor& gate_up_scales, int64_t gate_up_group,
     int64_t gate_width, const Tensor& down_weight, const Tensor& down_scales,
     int64_t down_group, int64_t kernel, int64_t threads) {
-  auto o = project(attended, o_weight, o_scales, o_group, kernel, threads);
-  auto hidden = residual + o.reshape({1, 1, -1});
+  auto hidden = project(attended, o_weight, o_scales, o_group, kernel, threads)
+                    .reshape({1, 1, -1});
+  const int64_t width = hidden.size(-1);
+  // residual + o, in o's own (fresh) storage: the same rounding as a new tensor.
+  {
+    auto r = residual.contiguous();
+    float* h = floats(hidden);
+    const float* res = floats(r);
+    for (int64_t i = 0; i < width; ++i) h[i] = res[i] + h[i];
+  }
   auto x = rms_norm(hidden, norm_weight, eps);
   auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group, kernel, threads);
-  auto gate = gate_up.slice(1, 0, gate_width).reshape({1, 1, -1});
-  auto up = gate_up.slice(1, gate_width).reshape({1, 1, -1});
-  auto down = project(at::silu(gate) * up, down_weight, down_scales, down_group, kernel, threads);
-  return hidden + down.reshape({1, 1, -1});
-}
-
-// Gemma3RMSNorm.forward on float32 input: the normalized input times (1 + weight).
-Tensor gemma_norm(const Tensor& hidden, const Tensor& weight, double eps) {
-  auto normed = hidden * at::rsqrt(hidden.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return normed * (1.0 + weight);
-}
-
-Tensor rotated(const Tensor& x, const Tensor& cos, const Tensor& sin) {
-  auto half = x.size(-1) / 2;
-  auto turned = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-  return (x * cos) + (turned * sin);
+  auto act = at::silu(gate_up.slice(1, 0, gate_width).reshape({1, 1, -1}));
+  const int64_t up_width = gate_up.size(1) - gate_width;
+  {
+    float* a = floats(act);
+    const float* up = floats(gate_up) + gate_width;
+    for (int64_t i = 0; i < up_width; ++i) a[i] = a[i] * up[i];
+  }
+  auto down = project(act, down_weight, down_scales, down_group, kernel, threads);
+  add_into(floats(hidden), floats(down), width);
+  return hidden;
 }
 
 // Gemma 3's first half: the input norm, the stacked q/k/v projection, the q and k norms
@@ -119,13 +209,18 @@ std::tuple<Tensor, Tensor, Tensor> gemma_before_attention(
     double k_eps, const Tensor& cos, const Tensor& sin, int64_t kernel, int64_t threads) {
   auto x = gemma_norm(hidden, norm_weight, eps);
   auto stacked = project(x, qkv_weight, qkv_scales, qkv_group, kernel, threads);
-  auto heads = [&](int64_t from, int64_t to) {
-    return stacked.slice(1, from, to).view({1, 1, -1, head_dim}).transpose(1, 2);
-  };
-  auto query = gemma_norm(heads(0, q_width), q_norm_weight, q_eps);
-  auto key = gemma_norm(heads(q_width, q_width + k_width), k_norm_weight, k_eps);
-  auto value = heads(q_width + k_width, stacked.size(1));
-  return {rotated(query, cos, sin), rotated(key, cos, sin), value};
+  const int64_t q_heads = q_width / head_dim, k_heads = k_width / head_dim;
+  const auto opts = stacked.options();
+  auto normed = at::empty({q_heads + k_heads, head_dim}, opts);
+  const float* s = floats(stacked);
+  gemma_norm_into(s, q_heads, head_dim, q_norm_weight, q_eps, floats(normed), opts);
+  gemma_norm_into(s + q_width, k_heads, head_dim, k_norm_weight, k_eps,
+                  floats(normed) + q_width, opts);
+  auto qk = at::empty({1, q_heads + k_heads, 1, head_dim}, opts);
+  rotate_into(floats(normed), q_heads + k_heads, head_dim, floats(cos.contiguous()),
+              floats(sin.contiguous()), floats(qk));
+  auto value = heads_of(stacked, q_width + k_width, stacked.size(1), head_dim);
+  return {qk.slice(1, 0, q_heads), qk.slice(1, q_heads), value};
 }
 
 // Gemma 3's second half: o_proj, the post-attention norm and residual add, then the
@@ -137,15 +232,30 @@ Tensor gemma_after_attention(
     const Tensor& gate_up_scales, int64_t gate_up_group, int64_t gate_width,
     const Tensor& down_weight, const Tensor& down_scales, int64_t down_group,
     const Tensor& post_ff_weight, double post_ff_eps, int64_t kernel, int64_t threads) {
-  auto o = project(attended, o_weight, o_scales, o_group, kernel, threads).reshape({1, 1, -1});
-  auto hidden = residual + gemma_norm(o, post_norm_weight, post_eps);
+  auto o = project(attended, o_weight, o_scales, o_group, kernel, threads);
+  const int64_t width = o.size(-1);
+  const auto opts = o.options();
+  auto hidden = at::empty({1, 1, width}, opts);
+  gemma_norm_into(floats(o), 1, width, post_norm_weight, post_eps, floats(hidden), opts);
+  {
+    auto r = residual.contiguous();
+    float* h = floats(hidden);
+    const float* res = floats(r);
+    for (int64_t i = 0; i < width; ++i) h[i] = res[i] + h[i];
+  }
   auto x = gemma_norm(hidden, pre_ff_weight, pre_ff_eps);
   auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group, kernel, threads);
-  auto gate = gate_up.slice(1, 0, gate_width).reshape({1, 1, -1});
-  auto up = gate_up.slice(1, gate_width).reshape({1, 1, -1});
-  auto down = project(at::gelu(gate, "tanh") * up, down_weight, down_scales, down_group,
-                      kernel, threads);
-  return hidden + gemma_norm(down.reshape({1, 1, -1}), post_ff_weight, post_ff_eps);
+  auto act = at::gelu(gate_up.slice(1, 0, gate_width).reshape({1, 1, -1}), "tanh");
+  const int64_t up_width = gate_up.size(1) - gate_width;
+  {
+    float* a = floats(act);
+    const float* up = floats(gate_up) + gate_width;
+    for (int64_t i = 0; i < up_width; ++i) a[i] = a[i] * up[i];
+  }
+  auto down = project(act, down_weight, down_scales, down_group, kernel, threads);
+  gemma_norm_into(floats(down), 1, width, post_ff_weight, post_ff_eps, floats(o), opts);
+  add_into(floats(hidden), floats(o), width);
+  return hidden;
 }
 
 using AttentionKernel = int32_t (*)(const float*, int64_t, int64_t, int64_t, int64_t, int64_t,

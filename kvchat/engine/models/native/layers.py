@@ -8,8 +8,10 @@ layer's q/k/v and gate/up stacked into one int4 or int8 kernel call each
 That is the default form of the default model, of a Gemma 3 GGUF and of a Qwen2 one;
 anything else keeps the Python step.
 
-Exactness: the library runs the Python step's own ATen ops in its order, so it must give the
-same bits, and that is checked, not assumed: before a library is used, one layer runs both
+Exactness: the library rounds the Python step's arithmetic as ATen does (ATen's own ops for
+the norms' sums and the activations, plain loops for the ops that round each element once;
+``decode_layer.cpp`` says which), so it must give the same bits, and that is checked, not
+assumed: before a library is used, one layer runs both
 ways on random inputs and every output must be ``torch.equal`` (:meth:`NativeLayers.agrees`);
 a library that differs is not used. The cache then sees the same K/V whichever path ran,
 and the K/V a checkpoint replays (the model's norm and projections, as before) still match.
