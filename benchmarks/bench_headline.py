@@ -194,17 +194,6 @@ def run_row(name: str, args: argparse.Namespace, env: dict[str, str], **extra: A
     return result
 
 
-def llama_available() -> str | None:
-    probe = subprocess.run(
-        [sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True, timeout=120
-    )
-    if probe.returncode == -4 or probe.returncode == 132:
-        return "llama_cpp dies with an illegal instruction (built for another CPU)"
-    if probe.returncode != 0:
-        return "llama_cpp is not importable (pip install llama-cpp-python)"
-    return None
-
-
 def source_gguf(given: str | None) -> Path:
     if given:
         return Path(given)
@@ -287,7 +276,7 @@ def main() -> None:
     long_json = str(Path(args.json).with_suffix("")) + "-long.json"
     long_ids = common.story_prompt_file(tokenizer_dir, args.bounded_context, long_json)
 
-    why_not = llama_available()
+    why_not = common.llama_cpp_problem(args.gguf)
     peer_env = {**common.LAUNCH_ENV, common.AS_LAUNCHED: "1"}
     long_row = {"ids_file": long_ids}
     bounded_row = {"ids_file": long_ids, "max_mem": CEILING}

@@ -233,16 +233,6 @@ def find_gguf() -> str | None:
     return str(target)
 
 
-def llama_available() -> str | None:
-    """None when llama.cpp can run here, else why not."""
-    probe = subprocess.run(
-        [sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True, timeout=60
-    )
-    if probe.returncode != 0:
-        return "llama_cpp is not importable (pip install llama-cpp-python)"
-    return None
-
-
 def peak_label(peak: float) -> str:
     return "-" if peak != peak else harness.human_bytes(peak)  # NaN: no VmHWM here
 
@@ -286,11 +276,13 @@ def main() -> None:
     harness.say(f"load average at start: {env['loadavg_at_start']}; threads {args.threads}")
     harness.say(common.build_native_layers())
     names = [*KVCHAT_ROWS, HF]
-    why_not = llama_available()
+    why_not = common.llama_cpp_problem()
     if why_not is None:
         args.gguf = args.gguf or find_gguf()
         if args.gguf is None:
             why_not = "the default model's wheel is not in kvchat's cache (run kvchat once)"
+        else:
+            why_not = common.llama_cpp_problem(args.gguf)
     if why_not is None:
         names += list(peers)
     else:

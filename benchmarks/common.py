@@ -344,6 +344,34 @@ def reply_figures(n_prompt: int, t0: float, stamps: list[float]) -> dict[str, An
 
 
 # -- the peers' prompt: token ids handed to every process through a file ------------------
+# Imports llama.cpp and, given a GGUF, evaluates a few of its tokens: a wheel built for another
+# CPU imports fine and dies of an illegal instruction at its first product.
+_LLAMA_PROBE = """
+import sys
+from llama_cpp import Llama
+if len(sys.argv) > 1:
+    model = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+    model.eval(model.tokenize(b"Hello there")[:4])
+"""
+
+
+def llama_cpp_problem(gguf: str | None = None) -> str | None:
+    """None when llama.cpp runs here (on ``gguf``, if given), else why not, in one line."""
+    import signal
+    import subprocess
+
+    command = [sys.executable, "-c", _LLAMA_PROBE, *([gguf] if gguf else [])]
+    probe = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if probe.returncode in (-signal.SIGILL, 128 + signal.SIGILL):
+        return "llama_cpp dies with an illegal instruction (built for another CPU)"
+    if "No module named 'llama_cpp'" in probe.stderr:
+        return "llama_cpp is not importable (pip install llama-cpp-python)"
+    if probe.returncode != 0:
+        lines = probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"]
+        return f"llama.cpp did not run: {lines[-1]}"
+    return None
+
+
 def story_prompt_file(model_dir: str, n_tokens: int, json_path: str) -> str:
     """The first ``n_tokens`` token ids of ``kvchat.lab.texts.STORY`` (real text) written
     beside ``json_path`` as ``*.prompt.json``, for processes that must not tokenize (llama.cpp's

@@ -334,3 +334,22 @@ def test_lab_modules_define_no_harness_job_but_the_harness(path):
         return
     copied = _defined(_tree(path)) & HARNESS_JOBS
     assert not copied, f"{path.name} defines its own {sorted(copied)}: use kvchat.lab.harness"
+
+
+def test_a_peer_that_cannot_run_the_file_is_named_in_one_line(tmp_path):
+    """The benchmarks ask llama.cpp to run a few tokens before timing it: a file it cannot
+    load (or no llama.cpp at all) gives one line saying why, which they print as the reason
+    the llama.cpp rows are skipped, instead of dying in the middle of a run."""
+    not_a_model = tmp_path / "notes.gguf"
+    not_a_model.write_text("not a GGUF")
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import common; "
+        "print(common.llama_cpp_problem(sys.argv[2]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(BENCHMARKS), str(not_a_model)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    why = out.stdout.strip()
+    assert "\n" not in why
+    assert why.startswith(("llama.cpp did not run: ", "llama_cpp is not importable")), why
