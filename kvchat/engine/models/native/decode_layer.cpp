@@ -37,7 +37,19 @@ namespace {
 
 using at::Tensor;
 
-float* floats(const Tensor& t) { return t.data_ptr<float>(); }
+// The float32 values of a contiguous tensor, for the loops below (which index them flat).
+float* floats(const Tensor& t) {
+  TORCH_CHECK(t.is_contiguous(), "decode_layer: a loop's operand must be contiguous");
+  return t.data_ptr<float>();
+}
+
+// A decode step's operands: one row (one token) and, for the rotary products, one row of
+// head_dim angles.
+void check_step(const Tensor& hidden, const Tensor& cos, const Tensor& sin, int64_t head_dim) {
+  TORCH_CHECK(hidden.numel() == hidden.size(-1), "decode_layer: one token per call");
+  TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim,
+              "decode_layer: one position's rotary angles per call");
+}
 
 Tensor fresh_like(const Tensor& t) { return at::empty(t.sizes(), t.options()); }
 
@@ -157,6 +169,7 @@ std::tuple<Tensor, Tensor, Tensor> before_attention(
     const Tensor& qkv_scales, int64_t qkv_group, const std::optional<Tensor>& qkv_bias,
     int64_t q_width, int64_t k_width, int64_t head_dim, const Tensor& cos, const Tensor& sin,
     int64_t kernel, int64_t threads) {
+  check_step(hidden, cos, sin, head_dim);
   auto x = rms_norm(hidden, norm_weight, eps);
   auto stacked = project(x, qkv_weight, qkv_scales, qkv_group, kernel, threads);
   if (qkv_bias.has_value()) add_into(floats(stacked), floats(*qkv_bias), stacked.numel());
@@ -176,6 +189,7 @@ Tensor after_attention(
     const Tensor& gate_up_weight, const Tensor& gate_up_scales, int64_t gate_up_group,
     int64_t gate_width, const Tensor& down_weight, const Tensor& down_scales,
     int64_t down_group, int64_t kernel, int64_t threads) {
+  TORCH_CHECK(residual.numel() == residual.size(-1), "decode_layer: one token per call");
   auto hidden = project(attended, o_weight, o_scales, o_group, kernel, threads)
                     .reshape({1, 1, -1});
   const int64_t width = hidden.size(-1);
@@ -207,6 +221,7 @@ std::tuple<Tensor, Tensor, Tensor> gemma_before_attention(
     const Tensor& qkv_scales, int64_t qkv_group, int64_t q_width, int64_t k_width,
     int64_t head_dim, const Tensor& q_norm_weight, double q_eps, const Tensor& k_norm_weight,
     double k_eps, const Tensor& cos, const Tensor& sin, int64_t kernel, int64_t threads) {
+  check_step(hidden, cos, sin, head_dim);
   auto x = gemma_norm(hidden, norm_weight, eps);
   auto stacked = project(x, qkv_weight, qkv_scales, qkv_group, kernel, threads);
   const int64_t q_heads = q_width / head_dim, k_heads = k_width / head_dim;
@@ -232,6 +247,7 @@ Tensor gemma_after_attention(
     const Tensor& gate_up_scales, int64_t gate_up_group, int64_t gate_width,
     const Tensor& down_weight, const Tensor& down_scales, int64_t down_group,
     const Tensor& post_ff_weight, double post_ff_eps, int64_t kernel, int64_t threads) {
+  TORCH_CHECK(residual.numel() == residual.size(-1), "decode_layer: one token per call");
   auto o = project(attended, o_weight, o_scales, o_group, kernel, threads);
   const int64_t width = o.size(-1);
   const auto opts = o.options();

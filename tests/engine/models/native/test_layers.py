@@ -89,6 +89,29 @@ def test_a_library_that_disagrees_is_not_used(monkeypatch):
         forget_decode_step(model)
 
 
+@needs_compiler
+@pytest.mark.parametrize("shape", ["smollm2", "gemma3"])
+def test_the_layers_refuse_more_than_one_token(shape):
+    """Their loops read one row and one position's angles: anything else is refused with a
+    message, not read past."""
+    model = model_in(shape, "int4", torch.float32)
+    try:
+        layers = native_step(model).native
+        width = model.config.hidden_size
+        angles = torch.zeros(1, 1, 1, layers.head_dim)
+        with torch.inference_mode():
+            with pytest.raises(RuntimeError, match="one token per call"):
+                layers.before_attention(0, torch.zeros(1, 2, width), angles, angles)
+            wide = torch.zeros(1, 1, 2, layers.head_dim)
+            with pytest.raises(RuntimeError, match="one position's rotary angles"):
+                layers.before_attention(0, torch.zeros(1, 1, width), wide, wide)
+            attended = torch.zeros(1, 2, model.config.num_attention_heads * layers.head_dim)
+            with pytest.raises(RuntimeError, match="one token per call"):
+                layers.after_attention(0, torch.zeros(1, 2, width), attended)
+    finally:
+        forget_decode_step(model)
+
+
 def test_float_weights_keep_the_python_step():
     model = model_in("smollm2", "none", torch.float32)
     step = decode_step_for(model)
