@@ -276,13 +276,10 @@ def main() -> None:
     harness.say(f"load average at start: {env['loadavg_at_start']}; threads {args.threads}")
     harness.say(common.build_native_layers())
     names = [*KVCHAT_ROWS, HF]
-    why_not = common.llama_cpp_problem()
-    if why_not is None:
-        args.gguf = args.gguf or find_gguf()
-        if args.gguf is None:
-            why_not = "the default model's wheel is not in kvchat's cache (run kvchat once)"
-        else:
-            why_not = common.llama_cpp_problem(args.gguf)
+    args.gguf = args.gguf or find_gguf()
+    why_not = common.llama_cpp_problem(args.gguf)
+    if why_not is None and args.gguf is None:
+        why_not = "the default model's wheel is not in kvchat's cache (run kvchat once)"
     if why_not is None:
         names += list(peers)
     else:

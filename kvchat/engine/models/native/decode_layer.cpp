@@ -77,36 +77,44 @@ Tensor inverse_rms(const float* x, int64_t rows, int64_t width, double eps,
   return factors;
 }
 
-// LlamaRMSNorm.forward on float32 input: weight * (hidden * rsqrt(variance + eps)).
-Tensor rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
-  auto h = hidden.contiguous();
-  const int64_t width = h.size(-1), rows = h.numel() / width;
-  auto factors = inverse_rms(floats(h), rows, width, eps, h.options());
-  auto out = fresh_like(h);
-  const float *x = floats(h), *w = floats(weight), *f = floats(factors);
-  float* o = floats(out);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < width; ++i) o[r * width + i] = w[i] * (x[r * width + i] * f[r]);
-  return out;
-}
-
-// Gemma3RMSNorm.forward on float32 input, over the last dim of `rows` contiguous rows at
-// `x`, into `out`: (hidden * rsqrt(variance + eps)) * (1 + weight).
-void gemma_norm_into(const float* x, int64_t rows, int64_t width, const Tensor& weight,
-                     double eps, float* out, const at::TensorOptions& opts) {
+// An RMSNorm over the last dim of `rows` contiguous rows at `x`, into `out`, on float32
+// input: LlamaRMSNorm.forward's weight * (hidden * rsqrt(variance + eps)), or with
+// `one_plus` Gemma3RMSNorm.forward's (hidden * rsqrt(variance + eps)) * (1 + weight). The
+// two products are one IEEE multiplication each way round, so one loop serves both.
+void norm_into(const float* x, int64_t rows, int64_t width, const Tensor& weight, double eps,
+               bool one_plus, float* out, const at::TensorOptions& opts) {
   auto factors = inverse_rms(x, rows, width, eps, opts);
   const float *w = floats(weight), *f = floats(factors);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < width; ++i)
-      out[r * width + i] = (x[r * width + i] * f[r]) * (1.0f + w[i]);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *row = x + r * width;
+    float* to = out + r * width;
+    if (one_plus)  // apart, so each loop stays a plain one the compiler can vectorize
+      for (int64_t i = 0; i < width; ++i) to[i] = (row[i] * f[r]) * (1.0f + w[i]);
+    else
+      for (int64_t i = 0; i < width; ++i) to[i] = (row[i] * f[r]) * w[i];
+  }
 }
 
-Tensor gemma_norm(const Tensor& hidden, const Tensor& weight, double eps) {
+Tensor norm(const Tensor& hidden, const Tensor& weight, double eps, bool one_plus) {
   auto h = hidden.contiguous();
   const int64_t width = h.size(-1);
   auto out = fresh_like(h);
-  gemma_norm_into(floats(h), h.numel() / width, width, weight, eps, floats(out), h.options());
+  norm_into(floats(h), h.numel() / width, width, weight, eps, one_plus, floats(out),
+            h.options());
   return out;
+}
+
+Tensor rms_norm(const Tensor& hidden, const Tensor& weight, double eps) {
+  return norm(hidden, weight, eps, /*one_plus=*/false);
+}
+
+Tensor gemma_norm(const Tensor& hidden, const Tensor& weight, double eps) {
+  return norm(hidden, weight, eps, /*one_plus=*/true);
+}
+
+void gemma_norm_into(const float* x, int64_t rows, int64_t width, const Tensor& weight,
+                     double eps, float* out, const at::TensorOptions& opts) {
+  norm_into(x, rows, width, weight, eps, /*one_plus=*/true, out, opts);
 }
 
 // The rotary products of `heads` rows of head_dim values at `x`, into `out`:
@@ -129,6 +137,11 @@ void rotate_into(const float* x, int64_t heads, int64_t head_dim, const float* c
 // x + y, elementwise, into x (a tensor of this file's own).
 void add_into(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
+}
+
+// x * y, elementwise, into x (a tensor of this file's own).
+void multiply_into(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * y[i];
 }
 
 using Int4Kernel = void (*)(const float*, int64_t, int64_t, const uint8_t*, const uint16_t*,
@@ -194,21 +207,12 @@ Tensor after_attention(
                     .reshape({1, 1, -1});
   const int64_t width = hidden.size(-1);
   // residual + o, in o's own (fresh) storage: the same rounding as a new tensor.
-  {
-    auto r = residual.contiguous();
-    float* h = floats(hidden);
-    const float* res = floats(r);
-    for (int64_t i = 0; i < width; ++i) h[i] = res[i] + h[i];
-  }
+  add_into(floats(hidden), floats(residual.contiguous()), width);
   auto x = rms_norm(hidden, norm_weight, eps);
   auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group, kernel, threads);
   auto act = at::silu(gate_up.slice(1, 0, gate_width).reshape({1, 1, -1}));
   const int64_t up_width = gate_up.size(1) - gate_width;
-  {
-    float* a = floats(act);
-    const float* up = floats(gate_up) + gate_width;
-    for (int64_t i = 0; i < up_width; ++i) a[i] = a[i] * up[i];
-  }
+  multiply_into(floats(act), floats(gate_up) + gate_width, up_width);
   auto down = project(act, down_weight, down_scales, down_group, kernel, threads);
   add_into(floats(hidden), floats(down), width);
   return hidden;
@@ -253,21 +257,12 @@ Tensor gemma_after_attention(
   const auto opts = o.options();
   auto hidden = at::empty({1, 1, width}, opts);
   gemma_norm_into(floats(o), 1, width, post_norm_weight, post_eps, floats(hidden), opts);
-  {
-    auto r = residual.contiguous();
-    float* h = floats(hidden);
-    const float* res = floats(r);
-    for (int64_t i = 0; i < width; ++i) h[i] = res[i] + h[i];
-  }
+  add_into(floats(hidden), floats(residual.contiguous()), width);
   auto x = gemma_norm(hidden, pre_ff_weight, pre_ff_eps);
   auto gate_up = project(x, gate_up_weight, gate_up_scales, gate_up_group, kernel, threads);
   auto act = at::gelu(gate_up.slice(1, 0, gate_width).reshape({1, 1, -1}), "tanh");
   const int64_t up_width = gate_up.size(1) - gate_width;
-  {
-    float* a = floats(act);
-    const float* up = floats(gate_up) + gate_width;
-    for (int64_t i = 0; i < up_width; ++i) a[i] = a[i] * up[i];
-  }
+  multiply_into(floats(act), floats(gate_up) + gate_width, up_width);
   auto down = project(act, down_weight, down_scales, down_group, kernel, threads);
   gemma_norm_into(floats(down), 1, width, post_ff_weight, post_ff_eps, floats(o), opts);
   add_into(floats(hidden), floats(o), width);
