@@ -24,9 +24,9 @@ from tests.engine.kvdirect.test_cache_exact import run_conversation, tiny_model
 from tests.engine.kvdirect.test_tiers import tiered_cache
 
 
-def growing_cache(model) -> KVDirectCache:
+def growing_cache(model, form: str = "kv") -> KVDirectCache:
     adapter = ArchAdapter(model)
-    cache = KVDirectCache(adapter, ["kv"] * adapter.num_layers)
+    cache = KVDirectCache(adapter, [form] * adapter.num_layers)
     cache.hot_reserve = GROWTH_RESERVE_ROWS
     return cache.attach()
 
@@ -35,12 +35,13 @@ def standard_bytes(cache: DynamicCache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
+@pytest.mark.parametrize("form", ["kv", "residual"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_growing_window_gives_the_standard_cache_bits(family):
+def test_a_growing_window_gives_the_standard_cache_bits(family, form):
     model = tiny_model(family)
     standard = DynamicCache(config=model.config)
     ref_tokens, ref_logits = run_conversation(model, standard)
-    cache = growing_cache(model)
+    cache = growing_cache(model, form)
     tokens, logits = run_conversation(model, cache)
     assert tokens == ref_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
