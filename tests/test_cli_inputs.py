@@ -2,15 +2,14 @@
 
 Most cases must be refused before any model is loaded (usage errors exit 2, in well under
 the seconds a model load takes); the few that need the model to know the input is bad are
-marked slow.
+marked slow. The cases run in this process (``kvchat_here``: click's runner, the exit
+status and output a user gets), since none needs a signal or a second process.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,17 +18,6 @@ import pytest
 from tests.test_cli import kvchat_here
 
 BAD_UTF8 = b"caf\xe9 au lait\n"  # latin-1, not UTF-8
-
-
-def kvchat(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvchat.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-        **kw,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +83,7 @@ BAD_INPUTS = [
 def test_bad_input_gets_one_line_and_no_traceback(bad_files, args, status, tmp_path):
     args = [a.format(**bad_files) for a in args]
     started = time.monotonic()
-    out = kvchat(*args, env=_env(tmp_path))
+    out = kvchat_here(*args, env=_env(tmp_path))
     both = out.stdout + out.stderr
     assert "Traceback" not in both, both
     assert out.returncode == status, both
@@ -113,7 +101,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("command", [[], ["chat"], ["run"], ["resume", "x"]])
 def test_every_model_command_takes_a_data_dir(command):
-    out = kvchat(*command, "--help")
+    out = kvchat_here(*command, "--help")
     assert out.returncode == 0 and "--data-dir" in out.stdout
 
 

@@ -314,22 +314,19 @@ class KVDirectLayer(CacheLayerMixin):
         return full_k, full_v
 
     def _room_to_grow(self, new_len: int) -> _Growth | None:
-        """The grown storage, when this call only appends: a full layer that keeps every
-        token hot, whose storage has room for ``new_len`` more rows and has nothing pending
-        (the state of a decode step in a chat that fits). ``update`` then skips its general
-        path (``_grows`` and ``_append_hot`` with nothing to drop): the same rows land in the
-        same storage, with fewer Python steps per layer and token."""
-        grown = self.growth
+        """The grown storage, when this call only appends: a full layer whose every token
+        is hot (so nothing is cold and nothing leaves), that ``_grows``, with nothing
+        pending and room for ``new_len`` more rows (a decode step in a chat that fits).
+        ``update`` then skips its general path: the same rows land in the same storage as
+        ``_append_hot`` would put them, with fewer Python steps per layer and token."""
+        grown = self._live_growth()
         if (
             grown is None
-            or self.keys is not grown.keys
-            or self.values is not grown.values
             or self.is_sliding
             or self.pending_write is not None
-            or self.cumulative_length != grown.keys.shape[-2]  # a cold row: general path
-            or grown.first + self.cumulative_length + new_len > grown.key_rows.shape[-2]
-            or self.owner.hot_reserve <= 0
-            or self._window() is not None
+            or self.hot_from != 0
+            or not self._grows(0, 0)
+            or grown.first + self.hot_length + new_len > grown.key_rows.shape[-2]
         ):
             return None
         return grown
