@@ -47,6 +47,11 @@ def test_a_growing_window_gives_the_standard_cache_bits(family, form):
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
     for mine, ref in zip(cache.layers, standard.layers):
         assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+    if form == "residual":  # hot or not, every token of a full layer keeps its checkpoint
+        for layer in cache.layers:
+            if not layer.is_sliding:
+                assert (layer.store.start, layer.store.end) == (0, layer.cumulative_length)
+                assert {p.form for p in layer.store.pieces} == {"residual"}
     if family in ("llama", "qwen2"):  # full attention everywhere: every layer grows
         assert cache.hot_bytes() > standard_bytes(standard)
     cache.release_reserve()
