@@ -224,9 +224,6 @@ class KVDirectLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        grown = self._room_to_grow(key_states.shape[-2])
-        if grown is not None:
-            return self._grow_in_place(grown, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending_write is not None:
@@ -234,7 +231,14 @@ class KVDirectLayer(CacheLayerMixin):
         start = self.cumulative_length
         new_len = key_states.shape[-2]
         if self.form == "residual":
-            self._keep_residual(start, new_len)
+            residual = self.pending_residual
+            if residual is None or residual.shape[1] != new_len:
+                raise RuntimeError(
+                    f"layer {self.layer_idx}: no residual captured for this call; "
+                    "was the cache attached to the model (KVDirectCache.attach)?"
+                )
+            self.store.append(Piece(start, "residual", _compact(residual), calls=[new_len]))
+            self.pending_residual = None
 
         # Positions attention needs now: everything (full layer) or the last window - 1
         # past tokens (sliding layer), exactly as the standard cache returns them.
@@ -312,55 +316,6 @@ class KVDirectLayer(CacheLayerMixin):
             self._retain([(hot_k, hot_v), (key_states, value_states)], hot_from + skip, hot_from)
         self.keep_under_budget()
         return full_k, full_v
-
-    def _room_to_grow(self, new_len: int) -> _Growth | None:
-        """The grown storage, when this call only appends: a full layer whose every token
-        is hot (so nothing is cold and nothing leaves), that ``_grows``, with nothing
-        pending and room for ``new_len`` more rows (a decode step in a chat that fits).
-        ``update`` then skips its general path: the same rows land in the same storage as
-        ``_append_hot`` would put them, with fewer Python steps per layer and token."""
-        grown = self._live_growth()
-        if (
-            grown is None
-            or self.is_sliding
-            or self.pending_write is not None
-            or self.hot_from != 0
-            or not self._grows(0, 0)
-            or grown.first + self.hot_length + new_len > grown.key_rows.shape[-2]
-        ):
-            return None
-        return grown
-
-    def _grow_in_place(
-        self, grown: _Growth, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``update`` when :meth:`_room_to_grow` found room: append behind the hot rows,
-        which stay all the rows there are."""
-        new_len = key_states.shape[-2]
-        start = self.cumulative_length
-        if self.form == "residual":
-            self._keep_residual(start, new_len)
-        self.pending_cold = self.held_cold = None
-        first, end = grown.first, grown.first + start + new_len
-        grown.key_rows.narrow(-2, end - new_len, new_len).copy_(key_states)
-        grown.value_rows.narrow(-2, end - new_len, new_len).copy_(value_states)
-        self.cumulative_length = start + new_len
-        self.keys = keys = grown.key_rows.narrow(-2, first, end - first)
-        self.values = values = grown.value_rows.narrow(-2, first, end - first)
-        self.growth = _Growth(grown.key_rows, grown.value_rows, first, keys, values)
-        self._forget_saved_below(0)
-        return keys, values
-
-    def _keep_residual(self, start: int, new_len: int) -> None:
-        """Store the residual captured for this call as the checkpoint of its rows."""
-        residual = self.pending_residual
-        if residual is None or residual.shape[1] != new_len:
-            raise RuntimeError(
-                f"layer {self.layer_idx}: no residual captured for this call; "
-                "was the cache attached to the model (KVDirectCache.attach)?"
-            )
-        self.store.append(Piece(start, "residual", _compact(residual), calls=[new_len]))
-        self.pending_residual = None
 
     def _steps_in_reserve(self, new_len: int) -> bool:
         """Whether this call's rows go behind a K/V-form window in its reserve (disk tier,
