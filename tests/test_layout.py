@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -61,18 +62,29 @@ def part_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
+@cache
+def syntax_tree(path: Path) -> ast.Module:
+    """Each source parsed once: every rule below walks the same trees."""
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+@cache
 def is_module(dotted: str) -> bool:
     path = PACKAGE_ROOT.parent.joinpath(*dotted.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def imports_of(path: Path) -> list[Import]:
+@cache
+def imports_of(path: Path) -> tuple[Import, ...]:
     here = module_name(path)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    tree = syntax_tree(path)
+    relative = path.relative_to(PACKAGE_ROOT.parent)
     found: list[Import] = []
     for node in ast.walk(tree):
-        where = f"{path.relative_to(PACKAGE_ROOT.parent)}:{getattr(node, 'lineno', 0)}"
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        where = f"{relative}:{node.lineno}"
         if isinstance(node, ast.Import):
             found += [Import(where, alias.name, None) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -86,12 +98,12 @@ def imports_of(path: Path) -> list[Import]:
                     found.append(Import(where, f"{base}.{alias.name}", None))
                 else:
                     found.append(Import(where, base, alias.name))
-    return found
+    return tuple(found)
 
 
 def private_attribute_uses(path: Path) -> list[str]:
     """``module._name`` where ``module`` is a kvchat module this file imported."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    tree = syntax_tree(path)
     aliases: dict[str, str] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
