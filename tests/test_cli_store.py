@@ -1,6 +1,9 @@
-"""`kvchat list / export / delete / gc` as a user runs them: real processes, real files.
+"""`kvchat list / export / delete / gc / fork` as a user runs them, on real files.
 
 Conversations are built with the store API directly (no model), so these tests are quick.
+Real processes where a process is what is checked: that the store commands never import
+torch, that they answer in half a second from a cold start, and the questions asked on a
+terminal. The rest run in this process through click's runner (``kvchat_here``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from kvchat.storage import ConversationStore
 from kvchat.storage.journal import JOURNAL_NAME, seal
 from kvchat.storage.manifest import CHECKSUM_KEY
 from tests.storage.test_store import new, save_turns, turn_tensors
+from tests.test_cli import kvchat_here
 
 HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x1b[41mred\x9b"
 
@@ -34,12 +38,13 @@ main()
 """
 
 
-def kvchat(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+def kvchat(*args: str) -> subprocess.CompletedProcess:
+    """``kvchat ARGS`` in a new process, as a user starts it."""
     return subprocess.run(
         [sys.executable, "-c", _RUN_MAIN, *args],
         capture_output=True,
         text=True,
-        input=stdin,
+        stdin=subprocess.DEVNULL,
         timeout=60,
     )
 
@@ -136,7 +141,7 @@ def test_a_data_dir_that_is_a_file_is_one_line(tmp_path, args):
     not_a_folder = tmp_path / "passwd"
     not_a_folder.write_text("root:x:0:0::/root:/bin/sh\n")
     for data_dir in (str(not_a_folder), "/etc/passwd"):
-        out = kvchat(*args, "--data-dir", data_dir)
+        out = kvchat_here(*args, "--data-dir", data_dir)
         assert out.returncode == 1
         assert "Traceback" not in out.stderr + out.stdout
         (line,) = errors_of(out)
@@ -147,12 +152,12 @@ def test_list_and_export_never_print_terminal_escapes(data):
     cid = saved(data, title=HOSTILE)
     exports = (["export", cid], ["export", cid, "--format", "json"])
     for args in (["list"], ["list", "--json"], *exports):
-        out = kvchat(*args, "--data-dir", str(data))
+        out = kvchat_here(*args, "--data-dir", str(data))
         assert out.returncode == 0, out.stderr
         assert "\x1b" not in out.stdout and "\x07" not in out.stdout and "\x9b" not in out.stdout
-    listed = kvchat("list", "--data-dir", str(data)).stdout
+    listed = kvchat_here("list", "--data-dir", str(data)).stdout
     assert "\\x1b]0;pwned\\x07" in listed  # shown as text, so the user sees what is there
-    doc = json.loads(kvchat("list", "--json", "--data-dir", str(data)).stdout)
+    doc = json.loads(kvchat_here("list", "--json", "--data-dir", str(data)).stdout)
     assert doc["conversations"][0]["title"] == HOSTILE  # exact in JSON, only escaped
 
 
@@ -161,11 +166,11 @@ def test_list_shows_a_linked_conversation_and_delete_removes_only_the_link(data,
     outside = tmp_path / "outside"
     (data / "conversations" / cid).rename(outside)
     os.symlink(outside, data / "conversations" / cid)
-    listed = kvchat("list", "--data-dir", str(data))
+    listed = kvchat_here("list", "--data-dir", str(data))
     assert cid in listed.stdout and "symbolic link" in listed.stdout
-    out = kvchat("export", cid, "--data-dir", str(data))
+    out = kvchat_here("export", cid, "--data-dir", str(data))
     assert out.returncode == 1 and "symbolic link" in out.stderr
-    out = kvchat("delete", cid, "--data-dir", str(data))
+    out = kvchat_here("delete", cid, "--data-dir", str(data))
     assert out.returncode == 0 and "removed the link" in out.stdout
     assert (outside / "manifest.json").exists()
     assert not os.path.lexists(data / "conversations" / cid)
@@ -180,16 +185,16 @@ def test_list_counts_spill_and_gc_frees_what_dead_processes_left(data):
     mine.mkdir()
     (mine / "L3.bin").write_bytes(b"\0" * 1000)
 
-    listed = kvchat("list", "--data-dir", str(data))
+    listed = kvchat_here("list", "--data-dir", str(data))
     assert "spill files: 3.9 KiB" in listed.stdout and "kvchat gc" in listed.stdout
-    spill = json.loads(kvchat("list", "--json", "--data-dir", str(data)).stdout)["spill"]
+    spill = json.loads(kvchat_here("list", "--json", "--data-dir", str(data)).stdout)["spill"]
     assert spill["bytes"] == 4000 and spill["stale_bytes"] == 3000
 
-    freed = json.loads(kvchat("gc", "--json", "--data-dir", str(data)).stdout)
+    freed = json.loads(kvchat_here("gc", "--json", "--data-dir", str(data)).stdout)
     assert freed["spill_freed_bytes"] == 3000 and freed["spill_in_use_bytes"] == 1000
     assert not stale.exists() and mine.exists()
-    assert kvchat("gc", "--data-dir", str(data)).stdout.startswith("nothing to free")
-    listed = kvchat("list", "--data-dir", str(data)).stdout
+    assert kvchat_here("gc", "--data-dir", str(data)).stdout.startswith("nothing to free")
+    listed = kvchat_here("list", "--data-dir", str(data)).stdout
     assert "spill files: 1000 B" in listed and "kvchat gc" not in listed
 
 
@@ -198,7 +203,7 @@ def test_gc_removes_leftovers_of_an_interrupted_delete(data):
     leftover = data / "conversations" / ".deleting-20260101-000000-abcd-1234"
     leftover.mkdir()
     (leftover / "manifest.json").write_text("{}" * 50)
-    out = kvchat("gc", "--data-dir", str(data))
+    out = kvchat_here("gc", "--data-dir", str(data))
     assert out.returncode == 0 and "freed 100 B" in out.stdout and not leftover.exists()
 
 
@@ -211,19 +216,19 @@ def ids_in(data: Path) -> list[str]:
 
 def test_delete_by_prefix_needs_yes(data):
     cid = saved(data)
-    out = kvchat("delete", cid[:10], "--data-dir", str(data))
+    out = kvchat_here("delete", cid[:10], "--data-dir", str(data))
     assert out.returncode == 1
     (line,) = errors_of(out)
     assert cid in line and "--yes" in line
     assert ids_in(data) == [cid]
-    out = kvchat("delete", cid[:10], "--yes", "--data-dir", str(data))
+    out = kvchat_here("delete", cid[:10], "--yes", "--data-dir", str(data))
     assert out.returncode == 0 and out.stdout.strip() == f"deleted {cid}"
     assert ids_in(data) == []
 
 
 def test_delete_of_a_full_id_from_a_script_does_not_ask(data):
     cid = saved(data)
-    out = kvchat("delete", cid, "--data-dir", str(data))
+    out = kvchat_here("delete", cid, "--data-dir", str(data))
     assert out.returncode == 0 and out.stdout.strip() == f"deleted {cid}"
 
 
@@ -281,27 +286,27 @@ def test_delete_by_prefix_on_a_terminal_still_needs_yes(data):
 
 def test_fork_prints_the_new_id_and_list_shows_where_it_came_from(data):
     cid = saved(data, 3)
-    out = kvchat("fork", cid, "--turn", "2", "--json", "--data-dir", str(data))
+    out = kvchat_here("fork", cid, "--turn", "2", "--json", "--data-dir", str(data))
     assert out.returncode == 0, out.stderr
     fork = json.loads(out.stdout)["conversation"]
-    plain = kvchat("fork", cid, "--data-dir", str(data))
+    plain = kvchat_here("fork", cid, "--data-dir", str(data))
     assert plain.returncode == 0, plain.stderr
     whole = plain.stdout.strip()
     rows = {
         r["id"]: r
-        for r in json.loads(kvchat("list", "--json", "--data-dir", str(data)).stdout)[
+        for r in json.loads(kvchat_here("list", "--json", "--data-dir", str(data)).stdout)[
             "conversations"
         ]
     }
     assert rows[fork]["forked_from"] == {"id": cid, "turn": 2} and rows[fork]["turns"] == 2
     assert rows[whole]["forked_from"] == {"id": cid, "turn": 3}
     assert rows[cid]["forked_from"] is None and rows[cid]["shared_bytes"] > 0
-    table = kvchat("list", "--data-dir", str(data)).stdout
+    table = kvchat_here("list", "--data-dir", str(data)).stdout
     line = next(x for x in table.splitlines() if x.startswith(fork))
     assert f"(fork of {cid} at turn 2)" in line
     assert "* shares saved turns with a fork" in table
-    assert kvchat("delete", cid, "--data-dir", str(data)).returncode == 0
-    exported = kvchat("export", fork, "--data-dir", str(data))
+    assert kvchat_here("delete", cid, "--data-dir", str(data)).returncode == 0
+    exported = kvchat_here("export", fork, "--data-dir", str(data))
     assert exported.returncode == 0 and "question 2" in exported.stdout
     assert "question 3" not in exported.stdout
 
@@ -315,15 +320,16 @@ def test_fork_prints_the_new_id_and_list_shows_where_it_came_from(data):
 )
 def test_fork_at_a_turn_that_does_not_exist_is_one_line_and_makes_nothing(data, args, message):
     cid = saved(data, 2)
-    out = kvchat("fork", cid, *args, "--data-dir", str(data))
+    out = kvchat_here("fork", cid, *args, "--data-dir", str(data))
     assert out.returncode != 0
     lines = errors_of(out)
     assert message in lines[-1] and "Traceback" not in out.stderr
-    rows = json.loads(kvchat("list", "--json", "--data-dir", str(data)).stdout)["conversations"]
+    listed = kvchat_here("list", "--json", "--data-dir", str(data))
+    rows = json.loads(listed.stdout)["conversations"]
     assert [r["id"] for r in rows] == [cid]
 
 
 def test_fork_of_an_unknown_id_says_how_to_find_one(data):
     saved(data, 1)
-    out = kvchat("fork", "nope", "--data-dir", str(data))
+    out = kvchat_here("fork", "nope", "--data-dir", str(data))
     assert out.returncode == 1 and "kvchat list" in errors_of(out)[-1]
