@@ -3,7 +3,8 @@ mutated JSON, records resealed, dropped or reordered.
 
 Whatever is on disk, a reader either works or raises one StorageError with a one-line
 message; it never lets another exception out, and a damaged conversation never affects the
-others. Sizes are kept small so the whole module runs in well under 30 s.
+others. Sizes are kept small so the whole module runs in well under 30 s; that is still
+most of the storage tests' time, so it runs in the full suite, not the fast loop.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from kvchat.storage.journal import JOURNAL_NAME, seal
 from kvchat.storage.manifest import CHECKSUM_KEY, content_checksum
 from tests.storage.test_journal import FIXTURE, FIXTURE_ID
 from tests.storage.test_store import new, save_turns
+
+pytestmark = pytest.mark.slow
 
 FUZZ = settings(
     max_examples=150,

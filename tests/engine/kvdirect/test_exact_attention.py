@@ -148,15 +148,12 @@ def test_a_decode_steps_rows_shared_out_over_threads_keep_their_bits(
         assert torch.equal(alone[0, :, 0], outs[2][0, :, head])
 
 
-@pytest.mark.parametrize("build", ["native", "avx2"])
-def test_every_build_gives_the_portable_builds_bits(tmp_path, build):
-    """Each build's intrinsics (AVX-512, or AVX2 on CPUs without it) run each lane with the
-    plain C loops' operations, so every build gives the same bits: this machine's own build
-    and an AVX2 build are both compared with the portable one."""
+@pytest.fixture(scope="module")
+def portable_build(tmp_path_factory):
+    """The kernel built from its plain C loops alone, compiled once for the builds below."""
     import platform
 
     from kvchat.engine.kvdirect.exact_attention import (
-        AVX2_FLAGS,
         PORTABLE_FLAGS,
         compile_kernel,
         compiler,
@@ -165,9 +162,24 @@ def test_every_build_gives_the_portable_builds_bits(tmp_path, build):
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the builds' flags are x86 ones")
-    target = tmp_path / "portable.so"
+    target = tmp_path_factory.mktemp("portable") / "portable.so"
     assert compile_kernel(compiler(), target, PORTABLE_FLAGS)
-    portable = load_kernel(target)
+    return load_kernel(target)
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_every_build_gives_the_portable_builds_bits(tmp_path, build, portable_build):
+    """Each build's intrinsics (AVX-512, or AVX2 on CPUs without it) run each lane with the
+    plain C loops' operations, so every build gives the same bits: this machine's own build
+    and an AVX2 build are both compared with the portable one."""
+    from kvchat.engine.kvdirect.exact_attention import (
+        AVX2_FLAGS,
+        compile_kernel,
+        compiler,
+        load_kernel,
+    )
+
+    portable = portable_build
     kernel = None
     if build == "avx2":
         assert compile_kernel(compiler(), tmp_path / "avx2.so", AVX2_FLAGS)

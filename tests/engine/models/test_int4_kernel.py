@@ -3,7 +3,10 @@ or build, and GGUF's Q4 numbers kept exactly."""
 
 from __future__ import annotations
 
+import json
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -225,15 +228,9 @@ def test_calls_from_several_threads_and_a_forked_child_share_the_workers_safely(
         assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_the_repack_gives_the_same_codes_in_any_block_size_and_no_peak(monkeypatch):
+def test_the_repack_gives_the_same_codes_in_any_block_size(monkeypatch):
     """kernel_form rewrites the codes a block of rows at a time: any block size gives the
-    whole matrix's codes, and a Gemma-3-sized vocabulary table (262,144 x 640) is repacked
-    in a fresh process with VmHWM growing by under 2x its packed bytes, the codes included
-    (the one-shot repack grew it by ~4x, which set the load's peak RSS)."""
-    import json
-    import subprocess
-    import sys
-
+    whole matrix's codes."""
     torch.manual_seed(0)
     n, half = 1000, 320
     qweight = torch.randint(0, 256, (n, half), dtype=torch.uint8)
@@ -243,6 +240,13 @@ def test_the_repack_gives_the_same_codes_in_any_block_size_and_no_peak(monkeypat
         monkeypatch.setattr(int4_kernel, "REPACK_BYTES", block_bytes)
         assert torch.equal(int4_kernel.kernel_form(parts)[0], whole)
 
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_the_repack_of_a_vocabulary_table_has_no_peak():
+    """A Gemma-3-sized vocabulary table (262,144 x 640) is repacked in a fresh process with
+    VmHWM growing by under 2x its packed bytes, the codes included (the one-shot repack grew
+    it by ~4x, which set the load's peak RSS)."""
     script = """
 import json, torch
 from kvchat.engine.models import int4_kernel
@@ -255,8 +259,6 @@ before = hwm()
 int4_kernel.kernel_form({"qweight": q, "scales": s})
 print(json.dumps({"growth": hwm() - before, "packed": q.numel()}))
 """
-    if not sys.platform.startswith("linux"):
-        return
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
     )
@@ -270,9 +272,6 @@ def test_the_kernel_runs_on_the_attention_kernels_workers(monkeypatch):
     own (in a fresh process: a test here may have loaded it with attention off); on its own
     workers it gives the same bits."""
     import ctypes
-    import json
-    import subprocess
-    import sys
 
     from kvchat.engine.kvdirect import exact_attention
 
