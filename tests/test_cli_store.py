@@ -49,10 +49,6 @@ def kvchat(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def errors_of(out: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in out.stderr.splitlines() if not line.startswith("HEAVY")]
-
-
 @pytest.fixture
 def data(tmp_path) -> Path:
     return tmp_path / "data"
@@ -144,7 +140,7 @@ def test_a_data_dir_that_is_a_file_is_one_line(tmp_path, args):
         out = kvchat_here(*args, "--data-dir", data_dir)
         assert out.returncode == 1
         assert "Traceback" not in out.stderr + out.stdout
-        (line,) = errors_of(out)
+        (line,) = out.stderr.splitlines()
         assert line.startswith("kvchat: error: ") and "is not a folder" in line
 
 
@@ -218,7 +214,7 @@ def test_delete_by_prefix_needs_yes(data):
     cid = saved(data)
     out = kvchat_here("delete", cid[:10], "--data-dir", str(data))
     assert out.returncode == 1
-    (line,) = errors_of(out)
+    (line,) = out.stderr.splitlines()
     assert cid in line and "--yes" in line
     assert ids_in(data) == [cid]
     out = kvchat_here("delete", cid[:10], "--yes", "--data-dir", str(data))
@@ -322,7 +318,7 @@ def test_fork_at_a_turn_that_does_not_exist_is_one_line_and_makes_nothing(data, 
     cid = saved(data, 2)
     out = kvchat_here("fork", cid, *args, "--data-dir", str(data))
     assert out.returncode != 0
-    lines = errors_of(out)
+    lines = out.stderr.splitlines()
     assert message in lines[-1] and "Traceback" not in out.stderr
     listed = kvchat_here("list", "--json", "--data-dir", str(data))
     rows = json.loads(listed.stdout)["conversations"]
@@ -332,4 +328,4 @@ def test_fork_at_a_turn_that_does_not_exist_is_one_line_and_makes_nothing(data, 
 def test_fork_of_an_unknown_id_says_how_to_find_one(data):
     saved(data, 1)
     out = kvchat_here("fork", "nope", "--data-dir", str(data))
-    assert out.returncode == 1 and "kvchat list" in errors_of(out)[-1]
+    assert out.returncode == 1 and "kvchat list" in out.stderr.splitlines()[-1]

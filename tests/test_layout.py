@@ -87,7 +87,7 @@ def imports_of(path: Path) -> tuple[Import, ...]:
         where = f"{relative}:{node.lineno}"
         if isinstance(node, ast.Import):
             found += [Import(where, alias.name, None) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
+        else:
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
