@@ -211,8 +211,10 @@ class FusedProjection(nn.Module):
 
     @property
     def rows_independent(self) -> bool:
-        """As :attr:`Int4Linear.rows_independent`, for the kernel that runs the group and
-        this member's columns (tiled or not)."""
+        """As the member's own layer's, for the kernel that runs the group and this member's
+        columns (int8's, or int4's tiled or not)."""
+        if self.group.form == "int8":
+            return True
         return self.group.form == "kvchat" and self.index >= self.group.tiled_members
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

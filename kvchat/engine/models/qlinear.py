@@ -242,6 +242,15 @@ class Int8Linear(nn.Module):
     def _runtime_scales(self) -> torch.Tensor:
         return self.scales.to(torch.bfloat16) if self.qweight.is_cpu else self.scales
 
+    @property
+    def rows_independent(self) -> bool:
+        """As :attr:`Int4Linear.rows_independent`: true on the CPU, where
+        ``_weight_int8pack_mm`` sums each output over the inputs in one order whatever the
+        call's row count or thread count (its blocks of rows and columns only choose which
+        outputs a thread computes). Off the CPU the dequantized ``F.linear`` is a GEMM whose
+        summation may follow the row count."""
+        return self.qweight.is_cpu
+
     def _apply(self, fn, recurse=True):  # keep the kernel's copy on the same device
         out = super()._apply(fn, recurse)
         self.kernel_scales = self._runtime_scales()

@@ -112,10 +112,13 @@ def test_smollm2_quantized_decode_equals_transformers_generate(smollm2_quantized
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3"])
-def test_int4_replays_the_rows_of_many_calls_in_one_projection(family, monkeypatch) -> None:
-    """kvchat's int4 kernel gives a row the same bits in any call, so a replay projects a
-    run of residual pieces (a prefill chunk, then decoded rows) in one call instead of one
-    call per original forward call, and the logits stay the standard cache's."""
+def test_quantized_weights_replay_the_rows_of_many_calls_in_one_projection(
+    family, monkeypatch
+) -> None:
+    """The int8 kernel and kvchat's int4 kernel give a row the same bits in any call, so a
+    replay projects a run of residual pieces (a prefill chunk, then decoded rows) in one call
+    instead of one call per original forward call, and the logits stay the standard cache's.
+    Float weights (a GEMM whose sums may follow the row count) keep the original calls."""
     from kvchat.engine.kvdirect.arch import ArchAdapter
     from kvchat.engine.models import int4_kernel
 
@@ -129,10 +132,12 @@ def test_int4_replays_the_rows_of_many_calls_in_one_projection(family, monkeypat
         return original(self, layer_idx, normed)
 
     monkeypatch.setattr(ArchAdapter, "project", counting)
-    for mode in ("int8", "int4"):
-        model = quantize_weights(tiny_model(family), mode)
+    for mode in ("none", "int8", "int4"):
+        model = tiny_model(family)
+        if mode != "none":
+            model = quantize_weights(model, mode)
         independent = ArchAdapter(model).projects_rows_independently(0)
-        assert independent == (mode == "int4")
+        assert independent == (mode != "none")
         ref_tokens, ref_logits = converse(model, DynamicCache(config=model.config))
         calls[mode] = []
         cache = kvdirect(model, 4)
@@ -141,6 +146,7 @@ def test_int4_replays_the_rows_of_many_calls_in_one_projection(family, monkeypat
         assert cache.stats.recomputed_tokens > 0
         assert tokens == ref_tokens
         assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), mode
-    assert max(calls["int8"]) <= CHUNK_ROWS  # never more rows than one original call
-    assert max(calls["int4"]) > CHUNK_ROWS  # several calls' rows at once
-    assert len(calls["int4"]) * 5 < len(calls["int8"])
+    assert max(calls["none"]) <= CHUNK_ROWS  # never more rows than one original call
+    for mode in ("int8", "int4"):
+        assert max(calls[mode]) > CHUNK_ROWS, mode  # several calls' rows at once
+        assert len(calls[mode]) * 5 < len(calls["none"]), mode

@@ -104,6 +104,26 @@ def test_int4_is_smaller_still_and_runs_under_inference_mode() -> None:
     assert isinstance(inference_context(int4), torch.inference_mode)
 
 
+def test_an_int8_rows_bits_do_not_depend_on_the_call_or_the_threads() -> None:
+    """What lets the cache replay rows of several forward calls in one int8 projection."""
+    torch.manual_seed(2)
+    layer = qlinear.Int8Linear(qlinear.quantize_int8(torch.randn(1100, 1024) * 0.05), None)
+    assert layer.rows_independent
+    x = torch.randn(67, 1024)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        whole = layer(x)
+        for size in (1, 3, 4, 5, 16):
+            chunks = torch.cat([layer(x[i : i + size]) for i in range(0, 67, size)])
+            assert torch.equal(chunks, whole), size
+        for count in (1, 3):
+            try:
+                torch.set_num_threads(count)
+                assert torch.equal(layer(x), whole), count
+            finally:
+                torch.set_num_threads(threads)
+
+
 def test_the_head_decides_near_ties_in_float32() -> None:
     # Two rows whose logits differ by less than one bf16 step at this magnitude.
     weight = torch.zeros(64, 32)
