@@ -10,8 +10,9 @@ is the model's, not a re-implementation of it.
 Exactness note: ``project`` must be called with exactly the rows of one original forward
 call (see ``cache.py``); the projection GEMM's result for a row depends on how many rows the
 call had. The exception is a layer whose projections all declare ``rows_independent``
-(kvchat's int4 kernel sums each row in one order for any row count): ``project`` may then
-take the rows of several calls at once (``projects_rows_independently``).
+(torch's int8 kernel and kvchat's int4 kernel sum each row in one order for any row
+count): ``project`` may then take the rows of several calls at once
+(``projects_rows_independently``).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ A residual piece is replayed with the row count of the forward call that made it
 model's matmuls are not batch invariant, so other row counts would change the K/V in the
 last bits); consecutive one-row pieces share their row-independent steps, and consecutive
 pieces of any size share one projection call where the layer's projections are
-row-independent (kvchat's int4 kernel). K/V pieces on
-disk are read straight into attention's token-major buffer where they can be (CPU, the
-model's dtype), or in fixed windows counted from the first visible position when
-attention is streamed, so the sum runs in the same order however the rows were stored.
+row-independent (torch's int8 kernel, kvchat's int4 kernel). K/V pieces on disk are read
+straight into attention's token-major buffer where they can be (CPU, the model's dtype),
+or in fixed windows counted from the first visible position when attention is streamed,
+so the sum runs in the same order however the rows were stored.
 """
 
 from __future__ import annotations

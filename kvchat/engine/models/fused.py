@@ -33,6 +33,7 @@ from kvchat.engine.models.qlinear import (
     Int8Linear,
     int4_mm,
     int8_mm,
+    int8_rows_independent,
 )
 
 # The group's name on the parent module, its members in the order they are stacked, and the
@@ -214,7 +215,7 @@ class FusedProjection(nn.Module):
         """As the member's own layer's, for the kernel that runs the group and this member's
         columns (int8's, or int4's tiled or not)."""
         if self.group.form == "int8":
-            return True
+            return int8_rows_independent()
         return self.group.form == "kvchat" and self.index >= self.group.tiled_members
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

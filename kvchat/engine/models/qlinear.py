@@ -30,6 +30,7 @@ not fast. On CPU, ``kvchat.engine.models.fused`` then stacks the layers that rea
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -205,6 +206,35 @@ def int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     )
 
 
+@functools.cache
+def int8_rows_independent() -> bool:
+    """Whether this machine's ``_weight_int8pack_mm`` gives a row the same bits in any call
+    (other row counts, other thread counts). Its source says so (each output summed over
+    the inputs in one order; blocks of rows and columns only pick the thread), but a torch
+    upgrade could change the kernel, so it is checked once per process before the cache
+    relies on it, on a few milliseconds of random operands."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(21, 1024, generator=generator) * 0.05
+    parts = quantize_int8(weight)
+    scales = parts["scales"].to(torch.bfloat16)
+    x = torch.randn(37, 1024, generator=generator)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        whole = int8_mm(x, parts["qweight"], scales)
+        for size in (1, 3, 4, 5, 16):
+            chunks = [
+                int8_mm(x[i : i + size], parts["qweight"], scales) for i in range(0, 37, size)
+            ]
+            if not torch.equal(torch.cat(chunks), whole):
+                return False
+        try:
+            torch.set_num_threads(1 if threads > 1 else 2)
+            same = torch.equal(int8_mm(x, parts["qweight"], scales), whole)
+        finally:
+            torch.set_num_threads(threads)
+    return same
+
+
 def int4_mm(
     rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor
 ) -> torch.Tensor:
@@ -246,10 +276,9 @@ class Int8Linear(nn.Module):
     def rows_independent(self) -> bool:
         """As :attr:`Int4Linear.rows_independent`: true on the CPU, where
         ``_weight_int8pack_mm`` sums each output over the inputs in one order whatever the
-        call's row count or thread count (its blocks of rows and columns only choose which
-        outputs a thread computes). Off the CPU the dequantized ``F.linear`` is a GEMM whose
-        summation may follow the row count."""
-        return self.qweight.is_cpu
+        call's row count or thread count (:func:`int8_rows_independent`). Off the CPU the
+        dequantized ``F.linear`` is a GEMM whose summation may follow the row count."""
+        return self.qweight.is_cpu and int8_rows_independent()
 
     def _apply(self, fn, recurse=True):  # keep the kernel's copy on the same device
         out = super()._apply(fn, recurse)

@@ -124,6 +124,19 @@ def test_an_int8_rows_bits_do_not_depend_on_the_call_or_the_threads() -> None:
                 torch.set_num_threads(threads)
 
 
+def test_an_int8_kernel_that_fails_the_check_keeps_the_original_calls(monkeypatch) -> None:
+    """Should a torch upgrade change the int8 kernel's summation, the check fails and the
+    cache goes back to replaying each original call with its own rows."""
+    from kvchat.engine.kvdirect.arch import ArchAdapter
+    from kvchat.engine.models import fused
+
+    model = quantize_weights(tiny_llama(), "int8")
+    assert ArchAdapter(model).projects_rows_independently(0)
+    monkeypatch.setattr(qlinear, "int8_rows_independent", lambda: False)
+    monkeypatch.setattr(fused, "int8_rows_independent", lambda: False)
+    assert not ArchAdapter(model).projects_rows_independently(0)
+
+
 def test_the_head_decides_near_ties_in_float32() -> None:
     # Two rows whose logits differ by less than one bf16 step at this magnitude.
     weight = torch.zeros(64, 32)
