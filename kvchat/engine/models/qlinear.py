@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvchat.engine.models import int4_kernel
-from kvchat.threads import every_thread
+from kvchat.threads import OnThreads, every_thread
 
 GROUP = 32
 INT4_INNER_K_TILES = 2  # the CPU packing's only tile count for K % 64 == 32 shapes (576)
@@ -218,7 +218,6 @@ def int8_rows_independent() -> bool:
     parts = quantize_int8(weight)
     scales = parts["scales"].to(torch.bfloat16)
     x = torch.randn(37, 1024, generator=generator)
-    threads = torch.get_num_threads()
     with torch.inference_mode():
         whole = int8_mm(x, parts["qweight"], scales)
         for size in (1, 3, 4, 5, 16):
@@ -227,12 +226,8 @@ def int8_rows_independent() -> bool:
             ]
             if not torch.equal(torch.cat(chunks), whole):
                 return False
-        try:
-            torch.set_num_threads(1 if threads > 1 else 2)
-            same = torch.equal(int8_mm(x, parts["qweight"], scales), whole)
-        finally:
-            torch.set_num_threads(threads)
-    return same
+        with OnThreads(1 if torch.get_num_threads() > 1 else 2):
+            return torch.equal(int8_mm(x, parts["qweight"], scales), whole)
 
 
 def int4_mm(

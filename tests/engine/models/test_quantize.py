@@ -25,6 +25,7 @@ from kvchat.engine.models.quantize import (
 )
 from kvchat.engine.models.resolve import ResolvedModel
 from kvchat.errors import ModelLoadError
+from kvchat.threads import OnThreads
 
 TINY_SHAPE = {
     "vocab_size": 512,
@@ -110,18 +111,14 @@ def test_an_int8_rows_bits_do_not_depend_on_the_call_or_the_threads() -> None:
     layer = qlinear.Int8Linear(qlinear.quantize_int8(torch.randn(1100, 1024) * 0.05), None)
     assert layer.rows_independent
     x = torch.randn(67, 1024)
-    threads = torch.get_num_threads()
     with torch.inference_mode():
         whole = layer(x)
         for size in (1, 3, 4, 5, 16):
             chunks = torch.cat([layer(x[i : i + size]) for i in range(0, 67, size)])
             assert torch.equal(chunks, whole), size
         for count in (1, 3):
-            try:
-                torch.set_num_threads(count)
+            with OnThreads(count):
                 assert torch.equal(layer(x), whole), count
-            finally:
-                torch.set_num_threads(threads)
 
 
 def test_an_int8_kernel_that_fails_the_check_keeps_the_original_calls(monkeypatch) -> None:
