@@ -13,6 +13,7 @@ import torch
 
 from kvchat.engine.kvdirect.exact_attention import PORTABLE_FLAGS, compile_kernel, compiler
 from kvchat.engine.models import int4_kernel, qlinear
+from kvchat.threads import OnThreads
 
 pytestmark = pytest.mark.skipif(not int4_kernel.available(), reason="no C compiler")
 
@@ -56,17 +57,14 @@ def test_the_kernel_is_close_to_the_stored_weights():
     assert (y.double() - exact).norm() / exact.norm() < 1e-3
 
 
-def _on_threads(layer: qlinear.Int4Linear, x: torch.Tensor, count: int) -> torch.Tensor:
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(count)
+def _on_threads(layer: torch.nn.Module, x: torch.Tensor, count: int) -> torch.Tensor:
+    with OnThreads(count):
         return layer(x)
-    finally:
-        torch.set_num_threads(threads)
 
 
-def test_a_rows_bits_do_not_depend_on_the_call_or_the_threads():
-    _parts, layer = _layer(1100, 1024, seed=2)  # over a million weights: two threads
+def assert_rows_bits_do_not_depend_on_the_call_or_the_threads(layer: torch.nn.Module) -> None:
+    """``layer`` (1024 inputs) gives 67 rows the same bits in calls of 1-16 rows and on 1 or
+    3 threads as in one call: what its ``rows_independent`` promises the cache."""
     assert layer.rows_independent
     x = torch.randn(67, 1024)
     with torch.inference_mode():
@@ -76,6 +74,11 @@ def test_a_rows_bits_do_not_depend_on_the_call_or_the_threads():
             assert torch.equal(chunks, whole), size
         assert torch.equal(_on_threads(layer, x, 1), whole)
         assert torch.equal(_on_threads(layer, x, 3), whole)
+
+
+def test_a_rows_bits_do_not_depend_on_the_call_or_the_threads():
+    _parts, layer = _layer(1100, 1024, seed=2)  # over a million weights: two threads
+    assert_rows_bits_do_not_depend_on_the_call_or_the_threads(layer)
 
 
 tiles = pytest.mark.skipif(not int4_kernel.tiles_available(), reason="no AMX tiles here")
@@ -281,6 +284,7 @@ def test_the_kernel_runs_on_the_attention_kernels_workers(monkeypatch):
 import json, torch
 from kvchat.engine.kvdirect import exact_attention
 from kvchat.engine.models import int4_kernel, qlinear
+from kvchat.threads import OnThreads
 from kvchat.threads import OnThreads
 layer = qlinear.Int4Linear(qlinear.quantize_int4(torch.randn(1200, 1024) * 0.05), None)
 with torch.inference_mode(), OnThreads(2):

@@ -25,7 +25,9 @@ from kvchat.engine.models.quantize import (
 )
 from kvchat.engine.models.resolve import ResolvedModel
 from kvchat.errors import ModelLoadError
-from kvchat.threads import OnThreads
+from tests.engine.models.test_int4_kernel import (
+    assert_rows_bits_do_not_depend_on_the_call_or_the_threads,
+)
 
 TINY_SHAPE = {
     "vocab_size": 512,
@@ -109,16 +111,7 @@ def test_an_int8_rows_bits_do_not_depend_on_the_call_or_the_threads() -> None:
     """What lets the cache replay rows of several forward calls in one int8 projection."""
     torch.manual_seed(2)
     layer = qlinear.Int8Linear(qlinear.quantize_int8(torch.randn(1100, 1024) * 0.05), None)
-    assert layer.rows_independent
-    x = torch.randn(67, 1024)
-    with torch.inference_mode():
-        whole = layer(x)
-        for size in (1, 3, 4, 5, 16):
-            chunks = torch.cat([layer(x[i : i + size]) for i in range(0, 67, size)])
-            assert torch.equal(chunks, whole), size
-        for count in (1, 3):
-            with OnThreads(count):
-                assert torch.equal(layer(x), whole), count
+    assert_rows_bits_do_not_depend_on_the_call_or_the_threads(layer)
 
 
 def test_an_int8_kernel_that_fails_the_check_keeps_the_original_calls(monkeypatch) -> None:
