@@ -97,7 +97,8 @@ def measure_kvchat(args: argparse.Namespace) -> dict[str, Any]:
     # kvchat's defaults, as `kvchat --model FILE` loads it (--weights auto --dtype auto)
     loaded = load_with(ModelSettings(model=args.gguf, threads=args.threads))
     loaded_at = time.perf_counter()
-    session = ChatSession(loaded, cache=CacheSettings(max_mem=args.max_mem or None))
+    settings = CacheSettings(max_mem=args.max_mem or None, kv_dtype=args.kv_dtype)
+    session = ChatSession(loaded, cache=settings)
     ids = common.prompt_from_file(args.ids_file)
     return common.timed_reply(loaded, session, ids, args.new_tokens) | {
         "load_s": loaded_at - started,
@@ -118,8 +119,10 @@ def measure_pair(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_with(ModelSettings(model=args.gguf, threads=args.threads))
     ids = common.prompt_from_file(args.ids_file)
     sessions = {
-        "unbounded": ChatSession(loaded, cache=CacheSettings()),
-        "bounded": ChatSession(loaded, cache=CacheSettings(max_mem=args.max_mem)),
+        "unbounded": ChatSession(loaded, cache=CacheSettings(kv_dtype=args.kv_dtype)),
+        "bounded": ChatSession(
+            loaded, cache=CacheSettings(max_mem=args.max_mem, kv_dtype=args.kv_dtype)
+        ),
     }
     tokens: dict[str, list[int]] = {name: [] for name in sessions}
     rates: dict[str, list[float]] = {name: [] for name in sessions}
@@ -171,6 +174,7 @@ def run_row(name: str, args: argparse.Namespace, env: dict[str, str], **extra: A
         "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
         "--max-mem", str(extra.get("max_mem", 0)),
         "--pair-blocks", str(args.pair_blocks), "--pair-steps", str(args.pair_steps),
+        "--kv-dtype", args.kv_dtype,
     ]  # fmt: skip
     started = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
@@ -250,6 +254,10 @@ def main() -> None:
     parser.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ids-file", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-mem", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--kv-dtype", default="auto", choices=["auto", "bfloat16"],
+        help="kvchat's K/V dtype in every row (kvchat's --kv-dtype; auto: float32 for a GGUF)",
+    )  # fmt: skip
     parser.add_argument("--json", default="results/bench_headline.json")
     args = parser.parse_args()
     if args.threads is None:
@@ -335,7 +343,8 @@ def main() -> None:
     print(
         f"{args.config}-shaped Q4_0 GGUF ({harness.human_bytes(gguf_bytes)}, random weights, the "
         f"real Gemma 3 tokenizer), {args.context}-token prompt, {args.new_tokens} greedy "
-        f"tokens, {args.threads} threads, medians of {args.repeats} runs taken in turn (the "
+        f"tokens, {args.threads} threads, kvchat's K/V in {args.kv_dtype} (--kv-dtype), "
+        f"medians of {args.repeats} runs taken in turn (the "
         f"first start: one run), one process each"
     )
     print(harness.markdown_table(headers, table))
@@ -366,7 +375,8 @@ def main() -> None:
     if peer is None:
         print(f"llama.cpp row skipped: {why_not}")
     fields = {"rows": rows, "gguf_bytes": gguf_bytes, "cache_bytes": cache_bytes,
-              "bounded_same_tokens": same, "bounded_pair": pair}  # fmt: skip
+              "bounded_same_tokens": same, "bounded_pair": pair,
+              "kv_dtype": args.kv_dtype}  # fmt: skip
     harness.save_run(args.json, "bench_headline", fields, env_info, wall())
 
 

@@ -11,9 +11,9 @@ with float32's (the GGUF's weights dequantized, i.e. what ``--weights none`` run
 The text is real prose, none of it generated: ``kvchat.lab.texts`` (a story, meeting notes)
 then this repository's README, cut at ``--tokens`` tokens.
 
-One row is not a kvchat mode: int4 weights with every K/V rounded to bfloat16 as the cache
-stores it (attention then reads bf16 K/V, as llama.cpp's f16 cache does), for what holding a
-float32-compute model's K/V in half the bytes would cost in quality.
+The last row keeps int4 weights and holds K/V in bfloat16 (``--kv-dtype bfloat16``: kvchat's
+standard cache rounds each K/V row once as it stores it, and attention reads the rounded
+numbers, as llama.cpp's f16 cache does), for what half the state's bytes cost in quality.
 
 Run from the repository root: ``python benchmarks/bench_weights.py [--tokens 3072]``.
 """
@@ -31,7 +31,7 @@ import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch is imported)
 
 from kvchat.lab import harness  # noqa: E402
 
-KV_BF16 = "int4, K/V held in bfloat16 (not a mode: what bf16 K/V would cost)"
+KV_BF16 = "int4 + --kv-dtype bfloat16"
 MODES = (
     ("float32 (--weights none)", "float32", "none"),
     ("bfloat16 (--dtype bfloat16)", "bfloat16", "none"),
@@ -41,21 +41,6 @@ MODES = (
     ("int4 + bfloat16 compute (auto, bf16 checkpoint)", "bfloat16", "int4"),
     (KV_BF16, "float32", "int4"),
 )
-
-
-def kv_rounding_cache(config: Any, dtype: Any) -> Any:
-    """transformers' ``DynamicCache`` that stores every K/V rounded to ``dtype`` (kept in
-    the compute dtype, so attention reads exactly the rounded numbers, as it would read a
-    ``dtype`` cache)."""
-    from transformers import DynamicCache
-
-    class RoundingCache(DynamicCache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            key = key_states.to(dtype).to(key_states.dtype)
-            value = value_states.to(dtype).to(value_states.dtype)
-            return super().update(key, value, layer_idx, *args, **kwargs)
-
-    return RoundingCache(config=config)
 
 
 def text_ids(tokenizer: Any, n_tokens: int) -> list[int]:
@@ -68,8 +53,8 @@ def text_ids(tokenizer: Any, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def window_logits(model: Any, ids: list[int], window: int, kv_dtype: Any = None) -> list[Any]:
-    """Each window's logits, fed alone; ``kv_dtype``: its K/V rounded to that dtype."""
+def window_logits(model: Any, ids: list[int], window: int, kv_cache: Any = None) -> list[Any]:
+    """Each window's logits, fed alone; ``kv_cache()``: a new cache for each window."""
     import torch
 
     out = []
@@ -79,8 +64,8 @@ def window_logits(model: Any, ids: list[int], window: int, kv_dtype: Any = None)
         for start in range(0, len(ids) - 1, window):
             chunk = torch.tensor([ids[start : start + window]])
             kwargs = {}
-            if kv_dtype is not None:
-                kwargs["past_key_values"] = kv_rounding_cache(model.config, kv_dtype)
+            if kv_cache is not None:
+                kwargs["past_key_values"] = kv_cache()
             out.append(model(input_ids=chunk, **kwargs).logits[0].float())
     return out
 
@@ -135,12 +120,16 @@ def main() -> None:
         if ids is None:
             ids = text_ids(loaded.tokenizer, args.tokens)
         elapsed = harness.stopwatch()
-        kv_dtype = None
+        kv_cache = None
         if label == KV_BF16:
-            import torch
+            from kvchat.engine.kvdirect.standard import StandardCache
 
-            kv_dtype = torch.bfloat16
-        logits = window_logits(loaded.model, ids, args.window, kv_dtype)
+            held = loaded.footprint.with_kv_dtype("bfloat16")
+
+            def kv_cache(loaded=loaded, held=held) -> Any:
+                return StandardCache(loaded.model.config, held, None, kv_dtype="bfloat16")
+
+        logits = window_logits(loaded.model, ids, args.window, kv_cache)
         seconds = elapsed()
         if reference is None:
             reference = logits

@@ -23,6 +23,7 @@ import click
 
 from kvchat.commands.terminal import fail
 from kvchat.engine.chat.settings import CacheSettings
+from kvchat.engine.kvdirect.footprint import KV_DTYPES
 from kvchat.engine.models.settings import ModelSettings
 from kvchat.errors import KvchatError
 
@@ -91,6 +92,7 @@ def model_options(fn: Callable) -> Callable:
         click.option("--hot-window", type=click.IntRange(min=0), default=None, help="Tokens whose K/V stay hot (default: derived from --max-mem)."),
         click.option("--checkpoint", type=click.Choice(["residual", "kv", "auto"]), default=CacheSettings.checkpoint, show_default=True, help="What a cold token leaves behind per layer: its residual (recomputed), its K/V (read back), or auto (the cheaper exact form per layer)."),
         click.option("--prefill-chunk", type=click.IntRange(min=1), default=CacheSettings.prefill_chunk, show_default=True),
+        click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=CacheSettings.kv_dtype, show_default=True, help="What the conversation's K/V are held in: auto (as the model computes them), or bfloat16 for a float32 model (half the state and disk; see the README for its quality). A resumed conversation keeps its own."),
     ]  # fmt: skip
     for option in reversed(options):
         fn = option(fn)

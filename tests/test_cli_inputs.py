@@ -51,6 +51,7 @@ BAD_INPUTS = [
     (["run", "--max-mem", "1e999GB", "--prompt", "hi"], 2),
     (["run", "--max-mem", "100000000000TB", "--prompt", "hi"], 2),
     (["run", "--seed", "99999999999999999999999", "--prompt", "hi"], 2),
+    (["run", "--kv-dtype", "float16", "--prompt", "hi"], 2),
     (["run", "--conversation", "no-such-id", "--prompt", "hi"], 1),
     (["run", "--conversation", "x", "--data-dir", "{file}", "--prompt", "hi"], 1),
     (["resume", "no-such-id"], 1),  # the app path: fails before loading the model
@@ -179,3 +180,15 @@ def test_a_base_model_gets_plain_completion_and_is_told_so(smollm2_dir, tmp_path
         assert json.loads(js.stdout)["prompt_tokens"] == 5  # the prompt alone, no wrapper
     finally:  # the int4 form of this tmp directory, written into the user's cache
         shutil.rmtree(small_form_path(base, "int4").parent, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_kv_wider_than_the_model_computes_is_refused_with_the_fix(tmp_path):
+    out = kvchat_here(
+        "run", "--no-save", "--dtype", "bfloat16", "--kv-dtype", "float32", "--prompt", "hi",
+        env=_env(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("kvchat: error:") and "use --kv-dtype auto" in line
+    assert "Traceback" not in out.stderr and out.stdout == ""

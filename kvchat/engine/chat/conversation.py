@@ -67,7 +67,7 @@ def open_session(
                     "system": system,
                     "weights": loaded.weights_mode,
                     **thread_counts(),
-                    **cache.as_dict(),
+                    **session.cache_settings.as_dict(),  # with the K/V dtype resolved
                 },
             )
             say(f"saving as conversation {conversation.id}")

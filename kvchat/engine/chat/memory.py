@@ -43,6 +43,9 @@ class AccountedSession(Protocol):
     def cache_settings(self) -> CacheSettings: ...
 
     @property
+    def footprint(self) -> ModelFootprint: ...  # at the dtype the conversation's K/V are in
+
+    @property
     def token_ids(self) -> list[int]: ...
 
     @property
@@ -107,7 +110,8 @@ def snapshot(session: AccountedSession) -> MemorySnapshot:
         token_id_bytes=token_bytes,
         state_bytes=state,
         state_peak_bytes=peak,
-        standard_equivalent_bytes=session.loaded.footprint.standard_cache_bytes(n_tokens),
+        standard_equivalent_bytes=session.footprint.standard_cache_bytes(n_tokens),
+        kv_dtype=session.footprint.kv_dtype,
         ceiling_bytes=settings.max_mem,
         disk_bytes=session.disk_bytes(),
         disk_tier=bool(plan is not None and plan.disk_tier),
@@ -135,8 +139,9 @@ def format_memory_line(mem: MemorySnapshot) -> str:
     standard = mem.standard_equivalent_bytes
     ratio = f" ({mem.state_bytes / standard:.2f}x)" if standard else ""
     tokens = f"{mem.tokens} token{'' if mem.tokens == 1 else 's'}"
+    held = f", K/V in {mem.kv_dtype}" if mem.kv_dtype else ""
     return (
-        f"[mem] state {state} vs standard cache {human_bytes(standard)}{ratio} | "
+        f"[mem] state {state} vs standard cache {human_bytes(standard)}{ratio}{held} | "
         f"{tokens}: {mem.hot_tokens} hot, {mem.checkpointed_tokens} "
         f"checkpointed{_disk_note(mem)} | recompute {100 * mem.recompute_share:.0f}%, "
         f"read back {100 * mem.read_back_share:.0f}% of time | "

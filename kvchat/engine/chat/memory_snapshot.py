@@ -41,6 +41,7 @@ class MemorySnapshot:
     recompute_share: float = 0.0
     read_back_seconds: float = 0.0
     read_back_share: float = 0.0
+    kv_dtype: str = ""  # K/V held narrower than the model computes (--kv-dtype), else ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

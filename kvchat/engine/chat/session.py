@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,14 +82,22 @@ class ChatSession:
     # -- cache ---------------------------------------------------------------------------
     def _build_cache(self, forms: list[str] | None = None) -> None:
         """``forms``: per-layer cold forms of a resumed conversation (kept as saved)."""
-        settings = self.cache_settings
+        from kvchat.engine.kvdirect.footprint import kv_dtype_for
+
+        loaded = self.loaded
+        kv_dtype = kv_dtype_for(self.cache_settings.kv_dtype, loaded.dtype)
+        # Saves record the resolved dtype, so that a resumed conversation keeps it.
+        self.cache_settings = settings = replace(self.cache_settings, kv_dtype=kv_dtype)
+        self.footprint = footprint = loaded.footprint.with_kv_dtype(kv_dtype)
+        narrowed = kv_dtype if footprint.kv_dtype else None
         self.cache: ConversationCache
         self.forms: list[str] | None
         if settings.kind == "standard":
             from kvchat.engine.kvdirect.standard import StandardCache
 
-            loaded = self.loaded
-            self.cache = StandardCache(loaded.model.config, loaded.footprint, settings.max_mem)
+            self.cache = StandardCache(
+                loaded.model.config, footprint, settings.max_mem, kv_dtype=narrowed
+            )
             self.forms = None
         elif settings.kind == "kvdirect":
             from kvchat.engine.kvdirect.cache import KVDirectCache
@@ -97,13 +105,14 @@ class ChatSession:
 
             if forms is None and settings.max_mem is None and settings.hot_window is None:
                 # Nothing can ever be evicted: checkpoints would be pure overhead.
-                forms = ["kv"] * self.loaded.footprint.num_layers
+                forms = ["kv"] * footprint.num_layers
             elif forms is None:
-                forms = choose_forms(self.loaded.footprint, settings.checkpoint, self._costs())
+                forms = choose_forms(footprint, settings.checkpoint, self._costs())
             self.forms = forms
-            footprint = self.loaded.footprint
             planner = Planner(footprint, forms, settings.max_mem, settings.prefill_chunk)
-            self.cache = KVDirectCache(self.loaded.adapter(), forms, settings.hot_window, planner)
+            self.cache = KVDirectCache(
+                loaded.adapter(), forms, settings.hot_window, planner, kv_dtype=narrowed
+            )
             self.cache.spill_root = self.spill_root
             self.cache.attach()
         else:
@@ -118,7 +127,7 @@ class ChatSession:
 
         root = self.spill_root or data_dir()
         loaded = self.loaded
-        return device_costs(loaded.footprint, loaded.device, loaded.dtype, root)
+        return device_costs(self.footprint, loaded.device, loaded.dtype, root)
 
     def _detach_cache(self) -> None:
         self.cache.close()

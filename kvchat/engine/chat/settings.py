@@ -35,6 +35,9 @@ class CacheSettings:
     hot_window: int | None = None  # explicit B (upper bound under a ceiling)
     checkpoint: str = "auto"  # "residual" | "kv" | "auto"
     prefill_chunk: int = 256
+    # What K/V are held in: "auto" (the model's compute dtype) or "bfloat16"; a session
+    # records the dtype it resolved to, which a resumed conversation keeps.
+    kv_dtype: str = "auto"
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -157,6 +157,9 @@ def install(attention_modules: list[Any]) -> None:
             ):
                 out = exact_attention.exact_attention(query, key, value, scaling, window)
                 return out, None
+            if key.dtype != query.dtype:
+                # K/V held narrower than the model computes (--kv-dtype): widening is exact.
+                key, value = key.to(query.dtype), value.to(query.dtype)
             function = inner or _module_eager(module)
             return function(module, query, key, value, attention_mask, **kwargs)
 

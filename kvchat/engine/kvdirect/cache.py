@@ -224,6 +224,7 @@ class KVDirectLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        key_states, value_states = self.owner.held(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending_write is not None:
@@ -613,10 +614,16 @@ class KVDirectCache(Cache):
         forms: list[str],
         hot_window: int | None = None,
         planner: Planner | None = None,
+        *,
+        kv_dtype: str | None = None,
     ) -> None:
+        """``kv_dtype``: hold K/V in this dtype (``--kv-dtype``) rather than as the model
+        computes them. Each row is rounded once, where it enters (``update``) or is
+        recomputed from a residual checkpoint, so every path holds the same bits."""
         if len(forms) != adapter.num_layers:
             raise ValueError("one checkpoint form per layer is needed")
         self.adapter = adapter
+        self.kv_dtype = None if kv_dtype is None else getattr(torch, kv_dtype)
         self.hot_window = hot_window  # residual-form layers
         # The planner fits windows and the disk tier under a ceiling before each forward
         # call (prepare); an explicit hot window caps what it picks. Without one, the
@@ -666,6 +673,12 @@ class KVDirectCache(Cache):
             )
         route(self.adapter.model, self.adapter)
         return self
+
+    def held(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V as this cache holds them (in ``kv_dtype``, where one is set)."""
+        if self.kv_dtype is None or keys.dtype == self.kv_dtype:
+            return keys, values
+        return keys.to(self.kv_dtype), values.to(self.kv_dtype)
 
     def note_layer_input(self, layer_idx: int, hidden: torch.Tensor) -> None:
         """Decoder layer ``layer_idx`` is about to read ``hidden`` (h_l): a residual-form

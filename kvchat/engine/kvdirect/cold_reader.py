@@ -240,7 +240,7 @@ class ColdReader:
                     key = torch.cat([k for k, _ in parts], dim=1)
                     value = torch.cat([v for _, v in parts], dim=1)
                 positions = torch.arange(first, stop, device=hidden.device).unsqueeze(0)
-                k, v = adapter.finish(idx, key, value, hidden, positions)
+                k, v = layer.owner.held(*adapter.finish(idx, key, value, hidden, positions))
                 i = j + 1
             lo, hi = max(begin, first) - first, min(end, stop) - first
             out.append((k[..., lo:hi, :], v[..., lo:hi, :]))

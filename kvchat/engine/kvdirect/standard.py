@@ -24,13 +24,31 @@ if TYPE_CHECKING:
 
 
 class StandardCache(DynamicCache):
-    def __init__(self, config: Any, footprint: ModelFootprint, max_mem: int | None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        footprint: ModelFootprint,
+        max_mem: int | None,
+        *,
+        kv_dtype: str | None = None,
+    ) -> None:
+        """``kv_dtype``: hold K/V in this dtype (``--kv-dtype``) rather than as the model
+        computes them, each new row rounded once, as the KV-Direct cache rounds it."""
         super().__init__(config=config)
         self.footprint = footprint
         self.max_mem = max_mem
+        self.kv_dtype = None if kv_dtype is None else getattr(torch, kv_dtype)
         self.hot_reserve = 0
         self.plan = None  # nothing to plan: every row stays in memory
         self.calls = CallLog()
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if self.kv_dtype is not None:
+            key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def prepare(self, n_new: int) -> None:
         """Before a forward call of ``n_new`` tokens: NeedsDiskTierError when the K/V after

@@ -170,3 +170,39 @@ def test_a_bf16_model_keeps_its_state_in_bf16_like_the_standard_cache(smollm2_bf
     }
     bounded.close()
     assert held == {torch.bfloat16}, held
+
+
+def test_bf16_kv_holds_half_the_bytes_and_keeps_residuals_in_float32(smollm2_loaded):
+    """``--kv-dtype bfloat16`` on a float32 model: the K/V tensors held (counted from the
+    tensors, not from kvchat's accounting) are half the float32 run's for the same tokens,
+    the standard cache it is compared with holds as much, and residual checkpoints stay
+    float32 (the residual stream's dtype)."""
+    prompts = ("Tell me about the moon.", "And the sun?")
+    reply = SamplingSettings(max_new_tokens=30)
+    held = {}
+    for kv_dtype in ("auto", "bfloat16"):
+        session = ChatSession(smollm2_loaded, cache=CacheSettings(kv_dtype=kv_dtype))
+        for prompt in prompts:
+            session.send(prompt, reply)
+        held[kv_dtype] = storage_bytes_held(session.cache)
+        mem = session.memory()
+        assert mem.standard_equivalent_bytes == mem.hot_kv_bytes == held[kv_dtype]
+        line = format_memory_line(mem)
+        session.close()
+    assert held["bfloat16"] * 2 == held["auto"]
+    assert mem.kv_dtype == "bfloat16" and "K/V in bfloat16" in line
+
+    settings = CacheSettings(max_mem=2 * 2**20, checkpoint="residual", kv_dtype="bfloat16")
+    bounded = ChatSession(smollm2_loaded, cache=settings)
+    for prompt in prompts:
+        bounded.send(prompt, reply)
+    assert bounded.memory().checkpointed_tokens > 0
+    kv = {t.dtype for layer in bounded.cache.layers for t in (layer.keys, layer.values)}
+    residuals = {
+        p.resident.dtype
+        for layer in bounded.cache.layers
+        for p in layer.store.pieces
+        if p.resident is not None
+    }
+    bounded.close()
+    assert kv == {torch.bfloat16} and residuals == {torch.float32}

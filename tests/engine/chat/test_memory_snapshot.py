@@ -18,7 +18,7 @@ KEYS = [
     "hot_kv_bytes", "checkpoint_bytes", "scratch_peak_bytes", "token_id_bytes", "state_bytes",
     "state_peak_bytes", "standard_equivalent_bytes", "ceiling_bytes", "disk_bytes", "disk_tier",
     "plan", "forms", "streamed_attention", "weights_bytes", "rss_bytes", "recompute_seconds",
-    "compute_seconds", "recompute_share", "read_back_seconds", "read_back_share",
+    "compute_seconds", "recompute_share", "read_back_seconds", "read_back_share", "kv_dtype",
 ]  # fmt: skip
 
 
@@ -50,6 +50,7 @@ def sample() -> MemorySnapshot:
         recompute_share=0.1,
         read_back_seconds=0.0,
         read_back_share=0.0,
+        kv_dtype="bfloat16",
     )
 
 
