@@ -129,6 +129,22 @@ def test_memory_line_and_standard_cache_give_the_same_tokens(smollm2_dir):
 
 
 @pytest.mark.slow
+def test_kv_dtype_bfloat16_from_the_command_line(smollm2_dir):
+    """``--kv-dtype bfloat16``: the same reply under a ceiling as the standard cache holding
+    bfloat16, and the memory record says what the K/V are held in."""
+    common = ["run", "--model", str(smollm2_dir), "--max-new-tokens", "30", "--no-save",
+              "--kv-dtype", "bfloat16", "--prompt", "Tell me about the sea."]  # fmt: skip
+    ours = kvchat_here(*common, "--max-mem", "1MB", "--json")
+    assert ours.returncode == 0, ours.stderr
+    standard = kvchat_here(*common, "--cache", "standard", "--json")
+    assert standard.returncode == 0, standard.stderr
+    ours_turn, standard_turn = json.loads(ours.stdout), json.loads(standard.stdout)
+    assert ours_turn["tokens"] == standard_turn["tokens"]
+    assert ours_turn["memory"]["kv_dtype"] == "bfloat16"
+    assert ours_turn["memory"]["checkpointed_tokens"] > 0
+
+
+@pytest.mark.slow
 def test_ceiling_too_small_is_one_clear_line(smollm2_dir, tmp_path):
     # 64 KiB is the smallest ceiling accepted; ~4,500 tokens' ids alone pass half of it.
     prompt = tmp_path / "long.txt"

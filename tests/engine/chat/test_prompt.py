@@ -38,6 +38,9 @@ def test_options_left_out_take_the_one_set_of_defaults():
     assert options.cache == CacheSettings(kind="standard", max_mem=4096)
     assert EngineOptions.from_cli({}) == EngineOptions()
     assert ModelSettings().weights == "auto" and CacheSettings().checkpoint == "auto"
+    # --kv-dtype reaches run, the app and serve through the same options object.
+    assert EngineOptions.from_cli({"kv_dtype": "bfloat16"}).cache.kv_dtype == "bfloat16"
+    assert CacheSettings().kv_dtype == "auto"
 
 
 @pytest.mark.slow
