@@ -65,6 +65,11 @@ class EngineWorker:
         data_dir: Path,
         say: Callable[[str], None] = lambda _m: None,
     ) -> None:
+        from kvchat.engine.kvdirect.footprint import kv_dtype_for
+
+        # Sessions are opened per request: a --kv-dtype this model cannot take is refused
+        # at startup instead of failing every request.
+        kv_dtype_for(cache.kv_dtype, loaded.dtype)
         self.loaded = loaded
         self.cache = cache
         self.data_dir = Path(data_dir)
