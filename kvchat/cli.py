@@ -22,8 +22,7 @@ from typing import Any
 import click
 
 from kvchat.commands.terminal import fail
-from kvchat.engine.chat.settings import CacheSettings
-from kvchat.engine.kvdirect.footprint import KV_DTYPES
+from kvchat.engine.chat.settings import KV_DTYPES, CacheSettings
 from kvchat.engine.models.settings import ModelSettings
 from kvchat.errors import KvchatError
 

@@ -65,7 +65,7 @@ class EngineWorker:
         data_dir: Path,
         say: Callable[[str], None] = lambda _m: None,
     ) -> None:
-        from kvchat.engine.kvdirect.footprint import kv_dtype_for
+        from kvchat.engine.chat.settings import kv_dtype_for
 
         # Sessions are opened per request: a --kv-dtype this model cannot take is refused
         # at startup instead of failing every request.

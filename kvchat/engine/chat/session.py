@@ -82,7 +82,7 @@ class ChatSession:
     # -- cache ---------------------------------------------------------------------------
     def _build_cache(self, forms: list[str] | None = None) -> None:
         """``forms``: per-layer cold forms of a resumed conversation (kept as saved)."""
-        from kvchat.engine.kvdirect.footprint import kv_dtype_for
+        from kvchat.engine.chat.settings import kv_dtype_for
 
         loaded = self.loaded
         kv_dtype = kv_dtype_for(self.cache_settings.kv_dtype, loaded.dtype)

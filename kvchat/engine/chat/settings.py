@@ -6,7 +6,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from kvchat.engine.kvdirect.footprint import dtype_itemsize
 from kvchat.engine.models.settings import ModelSettings
+from kvchat.errors import KvchatError
 
 
 @dataclass
@@ -24,6 +26,27 @@ class SamplingSettings:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+KV_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def kv_dtype_for(choice: str, compute_dtype: Any) -> str:
+    """The dtype a conversation's K/V are held in (``--kv-dtype``): ``auto`` is the model's
+    compute dtype; ``bfloat16`` narrows a float32 model's K/V (half the state and the disk
+    tier's bytes). Both caches hold the same dtype, so a ceiling still changes no bit; wider
+    than the model computes would only cost memory, and is refused."""
+    compute, _ = dtype_itemsize(compute_dtype)
+    if choice in ("auto", compute):
+        return compute
+    if choice == "bfloat16" and compute == "float32":
+        return "bfloat16"
+    if choice not in KV_DTYPES:
+        raise KvchatError(f"unknown K/V dtype {choice!r}; use {', '.join(KV_DTYPES)}")
+    raise KvchatError(
+        f"this model computes in {compute}, so its K/V cannot be held in {choice}; "
+        "use --kv-dtype auto"
+    )
 
 
 @dataclass

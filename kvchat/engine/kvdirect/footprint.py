@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvchat.errors import KvchatError, ModelLoadError, ModelNotFoundError
+from kvchat.errors import ModelLoadError, ModelNotFoundError
 
 CONFIGS_DIR = Path(__file__).with_name("configs")
 
@@ -63,27 +63,6 @@ def dtype_itemsize(dtype: Any) -> tuple[str, int]:
     if name not in _ITEMSIZE:
         raise ValueError(f"unsupported dtype {dtype!r}: use float32, bfloat16 or float16")
     return name, _ITEMSIZE[name]
-
-
-KV_DTYPES = ("auto", "float32", "bfloat16")
-
-
-def kv_dtype_for(choice: str, compute_dtype: Any) -> str:
-    """The dtype a conversation's K/V are held in (``--kv-dtype``): ``auto`` is the model's
-    compute dtype; ``bfloat16`` narrows a float32 model's K/V (half the state and the disk
-    tier's bytes). Both caches hold the same dtype, so a ceiling still changes no bit; wider
-    than the model computes would only cost memory, and is refused."""
-    compute, _ = dtype_itemsize(compute_dtype)
-    if choice in ("auto", compute):
-        return compute
-    if choice == "bfloat16" and compute == "float32":
-        return "bfloat16"
-    if choice not in KV_DTYPES:
-        raise KvchatError(f"unknown K/V dtype {choice!r}; use {', '.join(KV_DTYPES)}")
-    raise KvchatError(
-        f"this model computes in {compute}, so its K/V cannot be held in {choice}; "
-        "use --kv-dtype auto"
-    )
 
 
 @dataclass(frozen=True)

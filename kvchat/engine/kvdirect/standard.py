@@ -43,11 +43,16 @@ class StandardCache(DynamicCache):
         self.calls = CallLog()
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
         **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kv_dtype is not None:
-            key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
+            key_states = key_states.to(self.kv_dtype)
+            value_states = value_states.to(self.kv_dtype)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def prepare(self, n_new: int) -> None:

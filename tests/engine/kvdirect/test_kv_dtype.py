@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvchat.engine.chat.conversation import open_session
-from kvchat.engine.chat.settings import CacheSettings, SamplingSettings
+from kvchat.engine.chat.settings import CacheSettings, SamplingSettings, kv_dtype_for
 from kvchat.engine.kvdirect.arch import ArchAdapter
 from kvchat.engine.kvdirect.cache import KVDirectCache
-from kvchat.engine.kvdirect.footprint import footprint_from_config, kv_dtype_for
+from kvchat.engine.kvdirect.footprint import footprint_from_config
 from kvchat.engine.kvdirect.standard import StandardCache
 from kvchat.errors import KvchatError
 from kvchat.lab.tiny_models import FAMILIES
