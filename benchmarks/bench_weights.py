@@ -127,7 +127,7 @@ def main() -> None:
             held = loaded.footprint.with_kv_dtype("bfloat16")
 
             def kv_cache(loaded=loaded, held=held) -> Any:
-                return StandardCache(loaded.model.config, held, None, kv_dtype="bfloat16")
+                return StandardCache(loaded.model.config, held, None)
 
         logits = window_logits(loaded.model, ids, args.window, kv_cache)
         seconds = elapsed()

@@ -89,15 +89,12 @@ class ChatSession:
         # Saves record the resolved dtype, so that a resumed conversation keeps it.
         self.cache_settings = settings = replace(self.cache_settings, kv_dtype=kv_dtype)
         self.footprint = footprint = loaded.footprint.with_kv_dtype(kv_dtype)
-        narrowed = kv_dtype if footprint.kv_dtype else None
         self.cache: ConversationCache
         self.forms: list[str] | None
         if settings.kind == "standard":
             from kvchat.engine.kvdirect.standard import StandardCache
 
-            self.cache = StandardCache(
-                loaded.model.config, footprint, settings.max_mem, kv_dtype=narrowed
-            )
+            self.cache = StandardCache(loaded.model.config, footprint, settings.max_mem)
             self.forms = None
         elif settings.kind == "kvdirect":
             from kvchat.engine.kvdirect.cache import KVDirectCache
@@ -111,8 +108,9 @@ class ChatSession:
             self.forms = forms
             planner = Planner(footprint, forms, settings.max_mem, settings.prefill_chunk)
             self.cache = KVDirectCache(
-                loaded.adapter(), forms, settings.hot_window, planner, kv_dtype=narrowed
-            )
+                loaded.adapter(), forms, settings.hot_window, planner,
+                kv_dtype=footprint.kv_dtype or None,
+            )  # fmt: skip
             self.cache.spill_root = self.spill_root
             self.cache.attach()
         else:

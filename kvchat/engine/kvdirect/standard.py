@@ -24,20 +24,14 @@ if TYPE_CHECKING:
 
 
 class StandardCache(DynamicCache):
-    def __init__(
-        self,
-        config: Any,
-        footprint: ModelFootprint,
-        max_mem: int | None,
-        *,
-        kv_dtype: str | None = None,
-    ) -> None:
-        """``kv_dtype``: hold K/V in this dtype (``--kv-dtype``) rather than as the model
-        computes them, each new row rounded once, as the KV-Direct cache rounds it."""
+    def __init__(self, config: Any, footprint: ModelFootprint, max_mem: int | None) -> None:
+        """K/V are held in the footprint's K/V dtype (``--kv-dtype``), which the ceiling
+        check counts: where it is narrower than the model computes, each new row is
+        rounded once, as the KV-Direct cache rounds it."""
         super().__init__(config=config)
         self.footprint = footprint
         self.max_mem = max_mem
-        self.kv_dtype = None if kv_dtype is None else getattr(torch, kv_dtype)
+        self.kv_dtype = getattr(torch, footprint.kv_dtype) if footprint.kv_dtype else None
         self.hot_reserve = 0
         self.plan = None  # nothing to plan: every row stays in memory
         self.calls = CallLog()

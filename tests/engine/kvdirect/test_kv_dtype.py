@@ -58,11 +58,11 @@ FAST_FAMILIES = ("llama", "gemma3")
 )
 def test_every_window_and_form_equals_the_standard_cache_in_bfloat16(family):
     model = tiny_model(family)
-    footprint = footprint_from_config(model.config, "float32").with_kv_dtype(BF16)
-    standard = StandardCache(model.config, footprint, None, kv_dtype=BF16)
+    full = footprint_from_config(model.config, "float32")
+    standard = StandardCache(model.config, full.with_kv_dtype(BF16), None)
     ref_tokens, ref_logits = run_conversation(model, standard)
     assert standard.layers[0].keys.dtype == torch.bfloat16
-    _, float_logits = run_conversation(model, StandardCache(model.config, footprint, None))
+    _, float_logits = run_conversation(model, StandardCache(model.config, full, None))
     # The option does something: rounding the K/V moves the logits.
     assert any(not torch.equal(a, b) for a, b in zip(ref_logits, float_logits))
     adapter = ArchAdapter(model)
