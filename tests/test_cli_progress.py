@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+
+from tests.test_cli import kvchat_here
 
 pytestmark = pytest.mark.slow
 
@@ -15,10 +14,9 @@ def test_a_long_prompt_shows_prefill_progress(tmp_path, smollm2_dir):
     prompt.write_text(
         " ".join(f"Item {i} is a blue box." for i in range(220)) + " Which item is 7?"
     )
-    out = subprocess.run(
-        [sys.executable, "-m", "kvchat.cli", "run", "--model", str(smollm2_dir), "--no-save",
-         "--max-new-tokens", "4", "--prompt-file", str(prompt)],
-        capture_output=True, text=True, timeout=600,
+    out = kvchat_here(
+        "run", "--model", str(smollm2_dir), "--no-save", "--max-new-tokens", "4",
+        "--prompt-file", str(prompt),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = [x for x in out.stderr.splitlines() if "reading the prompt" in x]
