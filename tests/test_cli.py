@@ -22,13 +22,15 @@ def kvchat(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProces
     )
 
 
-def kvchat_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def kvchat_here(
+    *args: str, env: dict[str, str | None] | None = None
+) -> subprocess.CompletedProcess:
     """``kvchat ARGS`` in this process (click's ``CliRunner``): the exit status, stdout and
     stderr a user gets, without a new interpreter importing torch again. For commands that
     need no signal and no second process. An exception the CLI let through is put on stderr
     as its traceback, as a real process would print it. The thread counts a model load
     sets for the whole process are given back after, so later tests run as before. ``env``:
-    variables set for the call only."""
+    variables set for the call only (None: unset)."""
     import traceback
 
     import torch

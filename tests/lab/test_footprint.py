@@ -27,12 +27,9 @@ def test_the_headline_is_true_arithmetic_but_per_layer_only_mha_models_save(tmp_
 @pytest.mark.slow
 def test_kvchat_verify_writes_json_and_a_markdown_report_with_a_verdict(tmp_path):
     out = tmp_path / "results"
-    done = subprocess.run(
-        [sys.executable, "-m", "kvchat.cli", "verify", "--only", "footprint", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    from tests.test_cli import kvchat_here
+
+    done = kvchat_here("verify", "--only", "footprint", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "2 claims checked, 1 did not hold" in done.stdout
     data = json.loads((out / "results.json").read_text())

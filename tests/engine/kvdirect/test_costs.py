@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -58,12 +55,12 @@ def test_auto_follows_the_costs_not_only_the_bytes():
 
 @pytest.mark.slow
 def test_inspect_costs_reports_the_measurement_and_the_choice(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "KVCHAT_CACHE_DIR"}  # it beats XDG
-    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PATH="/usr/bin:/bin")
-    out = subprocess.run(
-        [sys.executable, "-m", "kvchat.cli", "inspect", "smollm2-135m", "--costs", "--json",
-         "--data-dir", str(tmp_path / "data")],
-        capture_output=True, text=True, env=env, timeout=120,
+    from tests.test_cli import kvchat_here
+
+    env = {"KVCHAT_CACHE_DIR": None, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # it beats XDG
+    out = kvchat_here(
+        "inspect", "smollm2-135m", "--costs", "--json", "--data-dir", str(tmp_path / "data"),
+        env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)["costs"]
