@@ -10,6 +10,7 @@ import pytest
 
 from kvchat.lab.context import LabContext
 from kvchat.lab.footprint import run
+from tests.test_cli import kvchat_here
 
 
 def test_the_headline_is_true_arithmetic_but_per_layer_only_mha_models_save(tmp_path):
@@ -27,8 +28,6 @@ def test_the_headline_is_true_arithmetic_but_per_layer_only_mha_models_save(tmp_
 @pytest.mark.slow
 def test_kvchat_verify_writes_json_and_a_markdown_report_with_a_verdict(tmp_path):
     out = tmp_path / "results"
-    from tests.test_cli import kvchat_here
-
     done = kvchat_here("verify", "--only", "footprint", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "2 claims checked, 1 did not hold" in done.stdout

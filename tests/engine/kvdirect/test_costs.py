@@ -15,6 +15,7 @@ from kvchat.engine.kvdirect.footprint import (
     footprint_from_config,
 )
 from kvchat.engine.kvdirect.planner import choose_forms
+from tests.test_cli import kvchat_here
 
 
 def footprint(alias: str):
@@ -55,9 +56,8 @@ def test_auto_follows_the_costs_not_only_the_bytes():
 
 @pytest.mark.slow
 def test_inspect_costs_reports_the_measurement_and_the_choice(tmp_path):
-    from tests.test_cli import kvchat_here
-
-    env = {"KVCHAT_CACHE_DIR": None, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # it beats XDG
+    # KVCHAT_CACHE_DIR would beat XDG_CACHE_HOME: unset for the call, so the cache is fresh.
+    env = {"KVCHAT_CACHE_DIR": None, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     out = kvchat_here(
         "inspect", "smollm2-135m", "--costs", "--json", "--data-dir", str(tmp_path / "data"),
         env=env,
