@@ -15,6 +15,13 @@ the layers that may tile runs, ``int4_kernel``'s docstring) against its vector p
 and 256 rows (a prefill chunk's default), the vocabulary left out; ratio = the vector
 path's time / the tiled path's.
 
+A third table puts a decode step's weights against the memory's speed: one row through
+every matrix of ``--layers`` of Gemma 3 4B's layers (about 50 MB a layer, so together far
+more than a CPU cache holds and each call reads its weights from memory), against a plain
+read of as many bytes (``torch.sum`` over float32, the fastest a one-row product of them
+could go); ratio = the kernel's GB/s / the read's (near 1: the kernel runs at the memory's
+speed; well below: it is bound by its own arithmetic).
+
 Run from the repository root: ``python benchmarks/bench_int4_kernel.py [--repeats 5]``.
 """
 
@@ -64,6 +71,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=8, help="4B layers in the memory table")
     parser.add_argument("--out", default="docs/results/bench_int4_kernel/run.json")
     args = parser.parse_args()
     if not int4_kernel.available():
@@ -101,16 +109,49 @@ def main() -> None:
                  "kernel_gb_per_s": gbs, "torch_ms": t_ms, "ratio": ratio}
             )  # fmt: skip
             print(f"| {name} ({n}x{k}) | {m} | {k_ms:.2f} | {gbs:.1f} | {t_ms:.2f} | {ratio:.2f} |")
+    memory_row = memory_table(args.repeats, args.layers)
     tiled_rows = tiled_table(args.repeats) if int4_kernel.tiles_available() else []
     if not tiled_rows:
         print("\nno AMX tiles here: the tiled path is not measured")
     harness.save_run(
         args.out,
         "bench_int4_kernel",
-        {"args": vars(args), "rows": rows, "tiled": tiled_rows},
+        {"args": vars(args), "rows": rows, "memory": memory_row, "tiled": tiled_rows},
         env,
         wall(),
     )
+
+
+def memory_table(repeats: int, layers: int) -> dict:
+    """One row through ``layers`` 4B layers' matrices against a plain read of their bytes."""
+    import torch
+
+    from kvchat.engine.models import int4_kernel
+
+    g = torch.Generator().manual_seed(2)
+    stack = []
+    for _ in range(layers):
+        for _name, n, k in SHAPES[:4]:
+            codes, scale_min = int4_kernel.kernel_form(random_int4(n, k, g))
+            stack.append((codes, scale_min, n, torch.randn(1, k, generator=g)))
+    weight_bytes = sum(c.nbytes + s.nbytes for c, s, _, _ in stack)
+    plain = torch.ones(weight_bytes // 4)
+
+    def step() -> None:
+        for codes, scale_min, n, x in stack:
+            int4_kernel.matmul(x, codes, scale_min, n)
+
+    kernel_s, read_s = common.alternating_timings(step, plain.sum, repeats, 3)
+    kernel_gbs = weight_bytes / harness.median(kernel_s) / 1e9
+    read_gbs = weight_bytes / harness.median(read_s) / 1e9
+    ratio = harness.median_ratio(read_s, kernel_s)
+    title = f"{layers} Gemma 3 4B layers' matrices, one row"
+    print(f"\n| {title} | MB | kernel GB/s | read GB/s | ratio |")
+    print("|---|---|---|---|---|")
+    print(f"| q/k/v, o_proj, gate/up, down | {weight_bytes / 1e6:.0f} | {kernel_gbs:.1f} "
+          f"| {read_gbs:.1f} | {ratio:.2f} |")  # fmt: skip
+    return {"layers": layers, "weight_bytes": weight_bytes, "kernel_gb_per_s": kernel_gbs,
+            "read_gb_per_s": read_gbs, "ratio": ratio}  # fmt: skip
 
 
 def tiled_table(repeats: int) -> list[dict]:
