@@ -13,7 +13,8 @@ optimum-quanto (maintenance mode since Nov 2025) decoded 2x slower than fp32.
 
 Formats (what is stored on disk, device independent):
 
-* int8: ``qweight`` int8 ``[N, K]``, ``scales`` fp32 ``[N]``, symmetric: ``w = q * s``.
+* int8: ``qweight`` int8 ``[N, K]``, ``scales`` fp32 ``[N]``, symmetric: ``w = q * s``
+  (an output head runs kvchat's ``int8_kernel`` where it is built: :class:`Int8Linear`).
 * int4: ``qweight`` uint8 ``[N, K/2]`` (low nibble = even column), ``scales`` and ``zeros``
   fp32 ``[N, K/G]``, asymmetric per group of ``G`` input columns: ``w = (q - 8) * s + z``
   (the tinygemm convention); or, taken from a GGUF, its blocks' own fp16 numbers: ``scales``
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.engine.models import int4_kernel
+from kvchat.engine.models import int4_kernel, int8_kernel
 from kvchat.threads import OnThreads, every_thread
 
 GROUP = 32
@@ -244,12 +245,15 @@ def int4_mm(
 class Int8Linear(nn.Module):
     """``y = x @ (q * s).T + b`` with ``_weight_int8pack_mm`` on CPU (bf16 activations).
 
-    ``refine_top=k`` (the output head): the kernel's outputs are bf16, whose step at a logit
-    of 25 is 0.125, and SmolLM2's two best first tokens for "What is the capital of France?"
-    are 0.08 apart: bf16 logits tie them and greedy decoding answers "L'Étoile" instead of
-    "Paris". So each row's ``k`` best bf16 logits are recomputed in float32 from the same
-    int8 weights, which decides greedy choices as a float head would (a tie in bf16 is a
-    gap of under one bf16 step, far inside the top 16).
+    ``refine_top=k`` marks the output head. torch's kernel's outputs are bf16, whose step at
+    a logit of 25 is 0.125, and SmolLM2's two best first tokens for "What is the capital of
+    France?" are 0.08 apart: bf16 logits tie them and greedy decoding answers "L'Étoile"
+    instead of "Paris". So the head runs kvchat's int8 kernel where it is built
+    (``int8_kernel``: float32 activations and logits, in one summation order, several times
+    faster on a CPU without AVX-512) and returns its float32 logits; on torch's kernel each
+    row's ``k`` best bf16 logits are recomputed in float32 from the same int8 weights,
+    which decides greedy choices as a float head would (a tie in bf16 is a gap of under one
+    bf16 step, far inside the top 16).
     """
 
     def __init__(
@@ -262,10 +266,18 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", parts["scales"])
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.kernel_scales = self._runtime_scales()
+        # None: torch's kernel serves (a decoder layer, off the CPU, or turned off)
+        self.head_scales = self._head_scales()
         self.wide = parts["qweight"].nbytes >= WIDE_BYTES
 
     def _runtime_scales(self) -> torch.Tensor:
         return self.scales.to(torch.bfloat16) if self.qweight.is_cpu else self.scales
+
+    def _head_scales(self) -> torch.Tensor | None:
+        """The head's scales as kvchat's int8 kernel takes them (float32, contiguous)."""
+        if not self.refine_top or not self.qweight.is_cpu:
+            return None
+        return self.scales.float().contiguous()
 
     @property
     def rows_independent(self) -> bool:
@@ -278,11 +290,14 @@ class Int8Linear(nn.Module):
     def _apply(self, fn, recurse=True):  # keep the kernel's copy on the same device
         out = super()._apply(fn, recurse)
         self.kernel_scales = self._runtime_scales()
+        self.head_scales = self._head_scales()
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.qweight.is_cpu:
+        if self.head_scales is not None and int8_kernel.takes(self.qweight):
+            y = int8_kernel.matmul(rows, self.qweight, self.head_scales)
+        elif self.qweight.is_cpu:
             with every_thread() if self.wide else contextlib.nullcontext():
                 y = int8_mm(rows, self.qweight, self.kernel_scales)
             if self.refine_top:
