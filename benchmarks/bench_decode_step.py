@@ -38,11 +38,12 @@ KINDS = {
     # The C++ halves' own time is mostly kvchat's int4 kernel and, in a decode step, its
     # attention kernel, which they call directly (their norms and other ATen ops are counted
     # as those ops). kvchat's kernels called from Python (attention where a streamed layer
-    # is pending or the C++ layers are off; the int4 kernel for a quantized head) go through
-    # ctypes, which the profiler does not see: they land in "between ops".
+    # is pending or the C++ layers are off; the int4 or int8 kernel of a quantized head) go
+    # through ctypes, which the profiler does not see: they land in "between ops", and the
+    # last row times the head apart.
     "kvchat_native": "C++ layers' own time (their int4 multiplies and attention)",
     "_weight_int4pack_mm": "int4 kernels (torch's)",
-    "_weight_int8pack_mm": "int8 kernels (head)",
+    "_weight_int8pack_mm": "int8 kernels (torch's: int8 layers, or the head without kvchat's)",
     "scaled_dot_product": "attention (torch's, where kvchat's kernel is off)",
 }
 
