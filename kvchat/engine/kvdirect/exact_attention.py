@@ -57,6 +57,7 @@ __all__ = [
     "kernel_address",
     "library",
     "pool_runner",
+    "share_pool",
     "switched_on",
     "symbol_address",
     "usable",
@@ -69,7 +70,7 @@ _library: ctypes.CDLL | None | bool = False  # False: not looked for yet
 def switched_on(variable: str) -> bool:
     """Whether an on-by-default switch of kvchat's native code is on: off when the variable
     is ``0``, ``off``, ``false`` or ``no`` (``KVCHAT_EXACT_ATTENTION``, ``KVCHAT_INT4_KERNEL``,
-    ``KVCHAT_NATIVE``)."""
+    ``KVCHAT_INT8_KERNEL``, ``KVCHAT_NATIVE``)."""
     return os.environ.get(variable, "1").strip().lower() not in {"0", "off", "false", "no"}
 
 
@@ -196,6 +197,19 @@ def pool_runner() -> int:
     """The address of the loaded kernel's ``kvchat_pool_run`` (its worker threads, which
     kvchat's other C kernels share: ``worker_pool.h`` says why), 0 when it is not built."""
     return symbol_address(_kernel(), "kvchat_pool_run")
+
+
+def share_pool(library: ctypes.CDLL) -> None:
+    """Run another of kvchat's C libraries' calls on this kernel's worker threads, when it is
+    built: a decode step alternates the kernels, and one warm pool serves them all faster
+    than several that fall asleep in turn (``worker_pool.h``). Bits do not depend on the
+    pool."""
+    share = getattr(library, "kvchat_pool_share", None)
+    runner = pool_runner()
+    if share is not None and runner:
+        share.argtypes = [ctypes.c_void_p]
+        share.restype = None
+        share(runner)
 
 
 def available(device: torch.device | str = "cpu") -> bool:

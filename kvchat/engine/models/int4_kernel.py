@@ -77,28 +77,14 @@ def _kernel() -> ctypes.CDLL | None:
     global _library
     if _library is False:
         _library = None
-        from kvchat.engine.kvdirect.exact_attention import built_library, switched_on
+        from kvchat.engine.kvdirect.exact_attention import built_library, share_pool, switched_on
 
         if switched_on("KVCHAT_INT4_KERNEL"):
             path = built_library(SOURCE)
             _library = None if path is None else load(path)
         if _library is not None:
-            _share_attention_pool(_library)
+            share_pool(_library)
     return _library or None
-
-
-def _share_attention_pool(library: ctypes.CDLL) -> None:
-    """Run this kernel's calls on the attention kernel's worker threads, when it is built:
-    a decode step alternates the two, and one warm pool serves both faster than two that
-    fall asleep in turn (``worker_pool.h``). Bits do not depend on the pool."""
-    from kvchat.engine.kvdirect.exact_attention import pool_runner
-
-    share = getattr(library, "kvchat_pool_share", None)
-    runner = pool_runner()
-    if share is not None and runner:
-        share.argtypes = [ctypes.c_void_p]
-        share.restype = None
-        share(runner)
 
 
 def library() -> ctypes.CDLL | None:

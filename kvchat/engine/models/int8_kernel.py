@@ -50,22 +50,13 @@ def _kernel() -> ctypes.CDLL | None:
     global _library
     if _library is False:
         _library = None
-        from kvchat.engine.kvdirect.exact_attention import (
-            built_library,
-            pool_runner,
-            switched_on,
-        )
+        from kvchat.engine.kvdirect.exact_attention import built_library, share_pool, switched_on
 
         if switched_on("KVCHAT_INT8_KERNEL"):
             path = built_library(SOURCE)
             _library = None if path is None else load(path)
-        share = getattr(_library, "kvchat_pool_share", None)
-        runner = pool_runner()
-        if share is not None and runner:
-            # One warm pool for all of kvchat's kernels (worker_pool.h); bits do not depend on it.
-            share.argtypes = [ctypes.c_void_p]
-            share.restype = None
-            share(runner)
+        if _library is not None:
+            share_pool(_library)
     return _library or None
 
 
