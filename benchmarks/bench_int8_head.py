@@ -11,13 +11,14 @@ int8 weights one call reads; "read GB/s" is a plain read of as many bytes (``tor
 over float32) timed in the same run, the most a one-row call could reach. "max error" is
 each head's largest distance from the float64 product, against the largest logit.
 
-A second table: what it buys a whole decode step. The default model as the engine holds it
-(``--weights auto``: int4 layers, int8 head), the ~500-token prompt of ``bench_peers.py``
-and 64 greedy tokens, decoded with each head in turn (interleaved, same process); ratio =
-the torch head's seconds per token / the kernel head's, paired per repeat; the greedy
-tokens must be the same.
+A second table: what it buys a whole decode step. The default model (or ``--model``) as the
+engine holds it (``--weights auto``: int4 layers, int8 head), the ~500-token prompt of
+``bench_peers.py`` and 64 greedy tokens, decoded with each head in turn (interleaved, same
+process); ratio = the torch head's seconds per token / the kernel head's, paired per
+repeat; the greedy tokens must be the same.
 
-Run from the repository root: ``python benchmarks/bench_int8_head.py [--repeats 7]``.
+Run from the repository root: ``python benchmarks/bench_int8_head.py [--repeats 7] [--model
+gemma-3-270m]``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--model", default=common.DEFAULT_MODEL, help="for the decode table")
     parser.add_argument("--out", default="docs/results/bench_int8_head/run.json")
     args = parser.parse_args()
     if not int8_kernel.available():
@@ -91,15 +93,15 @@ def main() -> None:
                 f"| {name} ({n}x{k}) | {m} | {k_ms:.2f} | {gbs:.1f} | {read_gbs:.1f} "
                 f"| {t_ms:.2f} | {ratio:.2f} | {err_ours:.1e} | {err_theirs:.1e} |"
             )
-    model_row = model_table(args.repeats)
+    model_row = model_table(args.model, args.repeats)
     harness.save_run(
         args.out, "bench_int8_head", {"args": vars(args), "rows": rows, "model": model_row},
         env, wall(),
     )  # fmt: skip
 
 
-def model_table(repeats: int) -> dict:
-    """The default model's decode with the kernel's head and with torch's, interleaved."""
+def model_table(model: str, repeats: int) -> dict:
+    """``model``'s decode with the kernel's head and with torch's, interleaved."""
     from transformers import AutoTokenizer
 
     from kvchat.engine.models import qlinear
@@ -108,7 +110,7 @@ def model_table(repeats: int) -> dict:
     from kvchat.engine.models.resolve import resolve_model
     from kvchat.lab.texts import STORY
 
-    path = str(resolve_model(common.DEFAULT_MODEL).path)
+    path = str(resolve_model(model).path)
     loaded = load(path, device="cpu", dtype="auto", weights="auto")
     step = decode_step_for(loaded.model)
     if step is not None:
@@ -116,7 +118,7 @@ def model_table(repeats: int) -> dict:
     ids = AutoTokenizer.from_pretrained(path)(STORY, add_special_tokens=False)["input_ids"][:500]
     head = loaded.model.get_output_embeddings()
     if not isinstance(head, qlinear.Int8Linear) or head.head_scales is None:
-        harness.say("the default model's head does not run the kernel here: no model table")
+        harness.say(f"{model}'s head does not run the kernel here: no decode table")
         return {}
     kernel_scales = head.head_scales
     heads = {"kernel head": kernel_scales, "torch head (before)": None}
@@ -134,12 +136,12 @@ def model_table(repeats: int) -> dict:
     ratio = harness.median_ratio(
         runs["torch head (before)"], runs["kernel head"], "seconds_per_token"
     )
-    print(f"\n| default model ({loaded.weights_mode} weights), {len(ids)}-token prompt "
+    print(f"\n| {model} ({loaded.weights_mode} weights), {len(ids)}-token prompt "
           "| kernel head tok/s | torch head tok/s | ratio | same tokens |")  # fmt: skip
     print("|---|---|---|---|---|")
     figures = f"{tps['kernel head']:.1f} | {tps['torch head (before)']:.1f} | {ratio:.2f}"
     print(f"| decode, medians of {repeats} | {figures} | {'yes' if same else 'NO'} |")
-    return {"decode_tok_s": tps, "ratio": ratio, "same_tokens": same}
+    return {"model": model, "decode_tok_s": tps, "ratio": ratio, "same_tokens": same}
 
 
 if __name__ == "__main__":
