@@ -7,9 +7,10 @@
    bf16, which ties near-equal logits (so the head then recomputed its best 16 in float32),
    and on a CPU without AVX-512 it reads the weights at a fraction of the memory's speed.
    Here each weight is widened to a float32 and multiplied with the float32 activation, one
-   output row of weights after the other (a stream the hardware prefetcher follows), with
-   four independent sums per output so that the multiply-adds do not wait on each other: a
-   one-row call reads the weights near the memory's speed, and every logit is a float32 sum.
+   output row of weights after the other (a stream the hardware prefetcher follows; a
+   software prefetch 4 KiB ahead helps it along), with four independent sums per output so
+   that the multiply-adds do not wait on each other: a one-row call reads the weights near
+   the memory's speed, and every logit is a float32 sum.
 
    Exactness: each output is summed in one fixed order that depends on neither the row count
    nor the thread count nor the build: the columns in blocks of 8, block j added by fused

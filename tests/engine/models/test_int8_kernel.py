@@ -69,7 +69,8 @@ def test_a_rows_bits_do_not_depend_on_the_call_the_threads_or_the_build(tmp_path
 
 def test_the_head_returns_the_kernels_float32_logits_and_torchs_without_it(monkeypatch):
     parts = _weights(300, 64, seed=3)
-    head = qlinear.Int8Linear({n: t.clone() for n, t in parts.items()}, None, 16)
+    copy = {n: t.clone() for n, t in parts.items()}
+    head = qlinear.Int8Linear(copy, None, qlinear.HEAD_REFINE_TOP)
     x = torch.randn(2, 64)
     with torch.inference_mode():
         out = head(x)
