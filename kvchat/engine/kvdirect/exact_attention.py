@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,7 +39,8 @@ import torch
 from kvchat.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("exact_attention.c")
-# The worker threads every kvchat C kernel includes (the int4 kernel too): part of each build.
+# The worker threads every kvchat C kernel includes (the int4 and int8 ones too): part of each
+# build.
 POOL_HEADER = Path(__file__).with_name("worker_pool.h")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
 # The portable build: no AVX-512, so the plain C loops run (the same bits, by construction).
@@ -57,6 +59,7 @@ __all__ = [
     "kernel_address",
     "library",
     "pool_runner",
+    "pooled_library",
     "share_pool",
     "switched_on",
     "symbol_address",
@@ -210,6 +213,21 @@ def share_pool(library: ctypes.CDLL) -> None:
         share.argtypes = [ctypes.c_void_p]
         share.restype = None
         share(runner)
+
+
+def pooled_library(
+    variable: str, source: Path, load: Callable[[Path], ctypes.CDLL | None]
+) -> ctypes.CDLL | None:
+    """Another of kvchat's C kernels (the int4 and int8 weights'): ``source`` built for this
+    machine, loaded by ``load`` and put on this kernel's pool (:func:`share_pool`); None
+    when ``variable`` switches it off (:func:`switched_on`) or it cannot be built."""
+    if not switched_on(variable):
+        return None
+    path = built_library(source)
+    library = None if path is None else load(path)
+    if library is not None:
+        share_pool(library)
+    return library
 
 
 def available(device: torch.device | str = "cpu") -> bool:

@@ -76,14 +76,9 @@ def load(path: Path) -> ctypes.CDLL | None:
 def _kernel() -> ctypes.CDLL | None:
     global _library
     if _library is False:
-        _library = None
-        from kvchat.engine.kvdirect.exact_attention import built_library, share_pool, switched_on
+        from kvchat.engine.kvdirect.exact_attention import pooled_library
 
-        if switched_on("KVCHAT_INT4_KERNEL"):
-            path = built_library(SOURCE)
-            _library = None if path is None else load(path)
-        if _library is not None:
-            share_pool(_library)
+        _library = pooled_library("KVCHAT_INT4_KERNEL", SOURCE, load)
     return _library or None
 
 
