@@ -249,11 +249,11 @@ class Int8Linear(nn.Module):
     a logit of 25 is 0.125, and SmolLM2's two best first tokens for "What is the capital of
     France?" are 0.08 apart: bf16 logits tie them and greedy decoding answers "L'Étoile"
     instead of "Paris". So the head runs kvchat's int8 kernel where it is built
-    (``int8_kernel``: float32 activations and logits, in one summation order, several times
-    faster on a CPU without AVX-512) and returns its float32 logits; on torch's kernel each
-    row's ``k`` best bf16 logits are recomputed in float32 from the same int8 weights,
-    which decides greedy choices as a float head would (a tie in bf16 is a gap of under one
-    bf16 step, far inside the top 16).
+    (``int8_kernel``: float32 activations and logits, in one summation order, faster on a
+    CPU without AVX-512: ``benchmarks/bench_int8_head.py``) and returns its float32 logits;
+    on torch's kernel each row's ``k`` best bf16 logits are recomputed in float32 from the
+    same int8 weights, which decides greedy choices as a float head would (a tie in bf16 is
+    a gap of under one bf16 step, far inside the top 16).
     """
 
     def __init__(
