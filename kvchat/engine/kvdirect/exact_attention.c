@@ -843,33 +843,128 @@ static void fold_tile_avx2(const Job *job, int64_t kv_head, int64_t first) {
   }
 }
 
-/* One row's dot product with a key over two AVX2 registers: parts 0-7 and 8-15 of the
- * PARTS partial sums (element e to part e % PARTS; a short tail loads zeros, as the
- * portable code pads), then the same tree: lane i gets lane i + width added. */
-static inline float dot_lanes8(const float *q, const float *k, int64_t dim) {
-  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (; c + PARTS <= dim; c += PARTS) {
-    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), lo);
-    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), hi);
-  }
-  if (c < dim) {
-    float qt[PARTS] = {0}, kt[PARTS] = {0};
-    memcpy(qt, q + c, (size_t)(dim - c) * sizeof(float));
-    memcpy(kt, k + c, (size_t)(dim - c) * sizeof(float));
-    lo = _mm256_fmadd_ps(_mm256_loadu_ps(qt), _mm256_loadu_ps(kt), lo);
-    hi = _mm256_fmadd_ps(_mm256_loadu_ps(qt + 8), _mm256_loadu_ps(kt + 8), hi);
-  }
-  __m256 v = _mm256_add_ps(lo, hi);                                   /* width 8 */
-  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));               /* width 4 */
-  v = _mm256_add_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2))); /* width 2 */
-  v = _mm256_add_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1))); /* width 1 */
-  return _mm256_cvtss_f32(v);
+/* A load mask for 8 floats of which `left` remain: lane i is live when i < left. */
+static inline __m256i live_lanes8(int64_t left) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int32_t n = left < 0 ? 0 : left > 8 ? 8 : (int32_t)left;
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), index);
 }
 
-/* The few-rows layout (a decode step) with AVX2 registers: vectorised over dim for the
- * dot products and the weighted values, over a block of keys for the exp; per (row, key)
- * the portable fold_rows' operations in its order, so the same bits. */
+/* Four keys' partial sums after the tree's first level (width 8): key b's PARTS sums are the
+ * lanes of two registers (element e into part e % PARTS, in order of e; a short tail loads
+ * zeros, as the portable code pads), and lane i of part 8-15 is added to lane i of 0-7. */
+static inline void halves_of_four(const float *q, const float *const *k, int64_t dim,
+                                  __m256 *w8) {
+  __m256 lo[4], hi[4];
+  for (int b = 0; b < 4; b++) lo[b] = hi[b] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + PARTS <= dim; c += PARTS) {
+    const __m256 qlo = _mm256_loadu_ps(q + c), qhi = _mm256_loadu_ps(q + c + 8);
+    for (int b = 0; b < 4; b++) {
+      lo[b] = _mm256_fmadd_ps(qlo, _mm256_loadu_ps(k[b] + c), lo[b]);
+      hi[b] = _mm256_fmadd_ps(qhi, _mm256_loadu_ps(k[b] + c + 8), hi[b]);
+    }
+  }
+  if (c < dim) {
+    const __m256i mlo = live_lanes8(dim - c), mhi = live_lanes8(dim - c - 8);
+    const __m256 qlo = _mm256_maskload_ps(q + c, mlo), qhi = _mm256_maskload_ps(q + c + 8, mhi);
+    for (int b = 0; b < 4; b++) {
+      lo[b] = _mm256_fmadd_ps(qlo, _mm256_maskload_ps(k[b] + c, mlo), lo[b]);
+      hi[b] = _mm256_fmadd_ps(qhi, _mm256_maskload_ps(k[b] + c + 8, mhi), hi[b]);
+    }
+  }
+  for (int b = 0; b < 4; b++) w8[b] = _mm256_add_ps(lo[b], hi[b]);
+}
+
+/* Eight keys' scores for one row: after the first level, the rest of every key's tree (lane
+ * i gets lane i + width added, width 4, 2, 1) runs on eight keys at once, each level packing
+ * the halves it adds from two registers side by side. Per (row, key) these are the portable
+ * code's operations; the scores come back in key order. */
+static inline __m256 scores_of_eight(const float *q, const float *const *k, int64_t dim) {
+  __m256 w8[8];
+  halves_of_four(q, k, dim, w8);
+  halves_of_four(q, k + 4, dim, w8 + 4);
+  /* width 4: w4[b] = [key 2b: lanes 0-3 | key 2b + 1: lanes 0-3] */
+  __m256 w4[4];
+  for (int b = 0; b < 4; b++) {
+    const __m256 x = w8[2 * b], y = w8[2 * b + 1];
+    w4[b] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+  }
+  /* width 2: w2[b] = [key 4b: 0, 1, key 4b + 2: 0, 1 | key 4b + 1: 0, 1, key 4b + 3: 0, 1] */
+  __m256 w2[2];
+  for (int b = 0; b < 2; b++) {
+    const __m256 x = w4[2 * b], y = w4[2 * b + 1];
+    w2[b] = _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  /* width 1: [keys 0, 2, 4, 6 | keys 1, 3, 5, 7], then into key order */
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(w2[0], w2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(w2[0], w2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* A running max over 8 keys in order, as the portable code takes it (a later score replaces
+ * the max only when greater; invisible lanes hold -inf): a prefix scan that combines an
+ * earlier run with a later one as max(later, earlier), which keeps the earlier on ties and
+ * drops a NaN exactly as the one-at-a-time compare does. `before` gets each key's max before
+ * it (lane 0: `start`). */
+static inline __m256 running_max8(__m256 x, __m256 start, __m256 *before) {
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  __m256 shifted = _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6));
+  x = _mm256_max_ps(x, _mm256_blend_ps(shifted, minus_inf, 0x01));
+  shifted = _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(0, 0, 0, 1, 2, 3, 4, 5));
+  x = _mm256_max_ps(x, _mm256_blend_ps(shifted, minus_inf, 0x03));
+  shifted = _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3));
+  x = _mm256_max_ps(x, _mm256_blend_ps(shifted, minus_inf, 0x0F));
+  const __m256 mx = _mm256_max_ps(x, start);
+  *before = _mm256_blend_ps(
+      _mm256_permutevar8x32_ps(mx, _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6)), start, 0x01);
+  return mx;
+}
+
+/* One row through keys [from, to] of a block, all visible, in order: the sum and each
+ * element's accumulator get the portable code's rescale (when alpha is not 1) and then the
+ * key's weight, in its order. The accumulators from element e0 sit in `vectors` registers
+ * of 8 (a constant where inlined), without a store and reload between keys; lanes past dim
+ * load and store nothing. Returns the sum. */
+static inline __attribute__((always_inline)) float accumulate_block8(
+    float *out, int64_t e0, int64_t dim, const float *const *vr, const float *p,
+    const float *alpha, int64_t from, int64_t to, float sum, const int vectors) {
+  __m256 a[8];
+  __m256i live[8];
+  const int whole = dim - e0 >= 8 * vectors;
+  for (int u = 0; u < vectors; u++) {
+    live[u] = live_lanes8(dim - e0 - 8 * u);
+    a[u] = whole ? _mm256_loadu_ps(out + e0 + 8 * u) : _mm256_maskload_ps(out + e0 + 8 * u, live[u]);
+  }
+  for (int64_t b = from; b <= to; b++) {
+    if (alpha[b] != 1.0f) {
+      sum = sum * alpha[b];
+      const __m256 va = _mm256_set1_ps(alpha[b]);
+      for (int u = 0; u < vectors; u++) a[u] = _mm256_mul_ps(a[u], va);
+    }
+    sum = sum + p[b];
+    const __m256 vp = _mm256_set1_ps(p[b]);
+    const float *v = vr[b] + e0;
+    if (whole)
+      for (int u = 0; u < vectors; u++)
+        a[u] = _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + 8 * u), a[u]);
+    else
+      for (int u = 0; u < vectors; u++)
+        a[u] = _mm256_fmadd_ps(vp, _mm256_maskload_ps(v + 8 * u, live[u]), a[u]);
+  }
+  for (int u = 0; u < vectors; u++) {
+    if (whole) _mm256_storeu_ps(out + e0 + 8 * u, a[u]);
+    else _mm256_maskstore_ps(out + e0 + 8 * u, live[u], a[u]);
+  }
+  return sum;
+}
+
+/* The few-rows layout (a decode step) with AVX2 registers: per row and block of keys, the
+ * visible keys (a run: causal and sliding masks both cut a run of positions), their scores
+ * together (scores_of_eight), the running max as a scan and the exp over the block, then
+ * the accumulators in registers, 64 elements a pass; per (row, key) the portable fold_rows'
+ * operations in its order, so the same bits. */
 static void fold_rows_avx2(const Job *job, int64_t kv_head, int64_t first) {
   const int64_t dim = job->dim, q_len = job->q_len, window = job->window;
   int64_t row0, lanes;
@@ -888,7 +983,8 @@ static void fold_rows_avx2(const Job *job, int64_t kv_head, int64_t first) {
   if (window > 0 && min_pos - window + 1 > job->key_pos0) j0 = min_pos - window + 1 - job->key_pos0;
   int64_t j_end = max_pos - job->key_pos0 + 1;
   if (j_end > job->n_keys) j_end = job->n_keys;
-  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 one = _mm256_set1_ps(1.0f), minus_inf = _mm256_set1_ps(-INFINITY);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t jb = j0; jb < j_end; jb += KEY_BLOCK) {
     const int64_t count = j_end - jb < KEY_BLOCK ? j_end - jb : KEY_BLOCK;
     for (int64_t b = 0; b < count; b++) {
@@ -905,50 +1001,41 @@ static void fold_rows_avx2(const Job *job, int64_t kv_head, int64_t first) {
         vr[b] = vbuf[b];
       }
     }
+    for (int64_t b = count; b < KEY_BLOCK; b++) kr[b] = kr[0]; /* scored, never seen */
+    const int64_t block_pos = job->key_pos0 + jb;
     for (int64_t t = 0; t < lanes; t++) {
-      float s[KEY_BLOCK], mx[KEY_BLOCK], before[KEY_BLOCK], p[KEY_BLOCK], alpha[KEY_BLOCK];
-      int32_t vis_bits[KEY_BLOCK], ch_bits[KEY_BLOCK];
-      float running = m[t];
-      for (int64_t b = 0; b < KEY_BLOCK; b++) {
-        const int visible = b < count && is_visible(job->key_pos0 + jb + b, pos[t], window);
-        s[b] = visible ? dot_lanes8(qs[t], kr[b], dim) : 0.0f;
-        before[b] = running;
-        if (visible && s[b] > running) running = s[b];
-        mx[b] = running;
-        vis_bits[b] = visible ? -1 : 0;
-        ch_bits[b] = mx[b] != before[b] ? -1 : 0;
-      }
-      for (int half = 0; half < KEY_BLOCK; half += 8) {
-        const __m256 vis = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(vis_bits + half)));
-        const __m256 ch = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(ch_bits + half)));
-        const __m256 vs = _mm256_loadu_ps(s + half), vmx = _mm256_loadu_ps(mx + half);
-        const __m256 vb = _mm256_loadu_ps(before + half);
+      /* the visible keys of this block for row t: b in [from, to] */
+      int64_t from = window > 0 ? pos[t] - window + 1 - block_pos : 0;
+      int64_t to = pos[t] - block_pos;
+      if (from < 0) from = 0;
+      if (to > count - 1) to = count - 1;
+      if (from > to) continue;
+      float p[KEY_BLOCK], alpha[KEY_BLOCK];
+      __m256 running = _mm256_set1_ps(m[t]);
+      for (int half = 0; half < KEY_BLOCK && half <= to; half += 8) {
+        const __m256i index = _mm256_add_epi32(lane, _mm256_set1_epi32(half));
+        const __m256 vis = _mm256_castsi256_ps(_mm256_andnot_si256(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)from), index),
+            _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)to + 1), index)));
+        const __m256 vs = scores_of_eight(qs[t], kr + half, dim);
+        __m256 before;
+        const __m256 vmx = running_max8(_mm256_blendv_ps(minus_inf, vs, vis), running, &before);
+        const __m256 ch = _mm256_cmp_ps(vmx, before, _CMP_NEQ_UQ);
         _mm256_storeu_ps(p + half, _mm256_and_ps(vis, exp_nonpositive8(_mm256_and_ps(vis, _mm256_sub_ps(vs, vmx)))));
-        const __m256 a = exp_nonpositive8(_mm256_and_ps(ch, _mm256_sub_ps(vb, vmx)));
-        _mm256_storeu_ps(alpha + half, _mm256_blendv_ps(one, a, ch));
+        __m256 a = one; /* the max mostly holds: no exp to take */
+        if (_mm256_movemask_ps(ch))
+          a = _mm256_blendv_ps(one, exp_nonpositive8(_mm256_and_ps(ch, _mm256_sub_ps(before, vmx))), ch);
+        _mm256_storeu_ps(alpha + half, a);
+        running = _mm256_permutevar8x32_ps(vmx, _mm256_set1_epi32(7));
       }
       float *out = acc + t * dim;
       float sum = l[t];
-      for (int64_t b = 0; b < count; b++) {
-        if (!vis_bits[b]) continue;
-        int64_t e = 0;
-        if (alpha[b] != 1.0f) {
-          sum = sum * alpha[b];
-          const __m256 va = _mm256_set1_ps(alpha[b]);
-          for (e = 0; e + 8 <= dim; e += 8)
-            _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_loadu_ps(out + e), va));
-          for (; e < dim; e++) out[e] = out[e] * alpha[b];
-        }
-        sum = sum + p[b];
-        const __m256 vp = _mm256_set1_ps(p[b]);
-        const float *v = vr[b];
-        for (e = 0; e + 8 <= dim; e += 8)
-          _mm256_storeu_ps(out + e, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + e),
-                                                    _mm256_loadu_ps(out + e)));
-        for (; e < dim; e++) out[e] = fmaf(p[b], v[e], out[e]);
+      for (int64_t e0 = 0; e0 < dim; e0 += 64) {
+        const float total = accumulate_block8(out, e0, dim, vr, p, alpha, from, to, l[t], 8);
+        if (e0 == 0) sum = total;
       }
       l[t] = sum;
-      m[t] = running;
+      m[t] = _mm256_cvtss_f32(running);
     }
   }
 }
