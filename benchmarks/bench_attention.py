@@ -15,9 +15,13 @@ checking they give the same bits: what a change to the kernel bought, rerunnable
 ``--build avx2`` runs the kernel built for CPUs without AVX-512 (both kernels, with
 ``--against``), on this CPU: how that code path moves, measured on this machine (SDPA is
 still torch's build for this CPU, so that column flatters SDPA on an AVX-512 machine).
+``--decode-step`` (with ``--against``, native build) then times the default model's whole
+decode step, its C++ layers calling one kernel or the other, after ~500 and ~2,000 tokens
+of context: blocks of steps on one session, the kernels taking turns, the median step of
+each; and a 64-token greedy reply with each, which must give the same tokens.
 
 Run from the repository root: ``python benchmarks/bench_attention.py [--repeats 5]
-[--against REV] [--build avx2]``.
+[--against REV] [--build avx2] [--decode-step]``.
 """
 
 from __future__ import annotations
@@ -80,7 +84,14 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/bench_attention/run.json")
     parser.add_argument("--against", help="a git revision whose kernel to time beside this one")
     parser.add_argument("--build", choices=["native", "avx2"], default="native")
+    parser.add_argument(
+        "--decode-step",
+        action="store_true",
+        help="with --against: the default model's decode step with each kernel",
+    )
     args = parser.parse_args()
+    if args.decode_step and (not args.against or args.build != "native"):
+        parser.error("--decode-step needs --against and the native build")
     if not available():
         sys.exit("kvchat's attention kernel is not built here (no C compiler?): nothing to compare")
     wall = harness.stopwatch()
@@ -116,6 +127,8 @@ def main() -> None:
     if args.against:
         then = kernel_at(args.against, Path(scratch.name), flags)
         fields["against"] = against(args.against, args.repeats, kernel, then)
+        if args.decode_step:
+            fields["decode_step"] = decode_steps_against(args.against, args.repeats, then)
     scratch.cleanup()
     harness.save_run(args.out, "bench_attention", fields, env, wall())
 
@@ -184,6 +197,66 @@ def against(revision: str, repeats: int, kernel: Any, then: Any) -> list[dict[st
             f"| {name} | {q_len} | {n} | {k_ms:.2f} | {t_ms:.2f} | {ratio:.2f} "
             f"| {'yes' if same else 'NO'} |"
         )
+    return rows
+
+
+CONTEXTS = (500, 2000)
+STEPS_PER_TURN = 8  # a kernel's turn: this many steps, the first two not counted
+
+
+def decode_steps_against(revision: str, repeats: int, then: Any) -> list[dict[str, Any]]:
+    """The default model's decode step (int4 weights, C++ layers) with this kernel and with
+    ``then``: per context, one prefilled session stepped in turns of ``STEPS_PER_TURN``,
+    the kernels alternating (``4 * repeats`` turns each), the median step time of each; and
+    one 64-token greedy reply per kernel, whose tokens must agree."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from kvchat.engine.chat.session import ChatSession
+    from kvchat.engine.kvdirect.exact_attention import symbol_address
+    from kvchat.engine.models.decode_step import decode_step_for
+    from kvchat.engine.models.load import load
+    from kvchat.engine.models.resolve import resolve_model
+    from kvchat.lab.texts import NOTES, STORY
+
+    path = str(resolve_model(common.DEFAULT_MODEL).path)
+    loaded = load(path, device="cpu", dtype="auto", weights="auto")
+    step = decode_step_for(loaded.model)
+    if step is None or not step.wait_for_native(600) or not step.native.attention_kernel:
+        sys.exit("the default model's decode step has no C++ layers calling the kernel here")
+    kernels = {"now": step.native.attention_kernel,
+               "then": symbol_address(then, "kvchat_attention")}  # fmt: skip
+    text = (STORY + NOTES) * 4
+    every = AutoTokenizer.from_pretrained(path)(text, add_special_tokens=False)["input_ids"]
+    rows = []
+    print(f"\nthe default model's decode step, its C++ layers calling each kernel ({revision}):")
+    print("| context | step ms | then ms | speedup | same tokens |")
+    print("|---|---|---|---|---|")
+    for context in CONTEXTS:
+        ids = every[:context]
+        replies = {}
+        for name, address in kernels.items():
+            step.native.attention_kernel = address
+            replies[name] = common.decode_rate(loaded, ids, 64)["tokens"]
+        session = ChatSession(loaded)
+        _stamps, tokens = common.greedy_run(loaded, session.cache, ids, 1)
+        token, times = tokens[-1], {name: [] for name in kernels}
+        with torch.inference_mode():
+            for turn in range(8 * repeats):
+                name = ("now", "then")[turn % 2]
+                step.native.attention_kernel = kernels[name]
+                for i in range(STEPS_PER_TURN):
+                    token, seconds = common.timed_step(loaded, session, token)
+                    if i >= 2:
+                        times[name].append(seconds)
+        session.close()
+        step.native.attention_kernel = kernels["now"]
+        now_ms, then_ms = (harness.median(times[n]) * 1e3 for n in ("now", "then"))
+        same = replies["now"] == replies["then"]
+        rows.append({"context": context, "step_ms": now_ms, "then_ms": then_ms,
+                     "speedup": then_ms / now_ms, "same_tokens": same})  # fmt: skip
+        print(f"| {context} | {now_ms:.2f} | {then_ms:.2f} | {then_ms / now_ms:.2f} "
+              f"| {'yes' if same else 'NO'} |")  # fmt: skip
     return rows
 
 
