@@ -283,7 +283,8 @@ static void fold_rows(const Job *job, int64_t kv_head, int64_t first) {
  * products, max, the same exp), so the bits are the portable code's. */
 static inline __m512 exp_nonpositive16(__m512 x) {
   const __m512 magic = _mm512_set1_ps(12582912.0f);
-  __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  /* max(-87, x) returns x when x is NaN, as the scalar clamp does: NaN in, NaN out */
+  __m512 clamped = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
   __m512 t = _mm512_fmadd_ps(clamped, _mm512_set1_ps(1.44269504088896341f), magic);
   __m512 n = _mm512_sub_ps(t, magic);
   __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), clamped);
@@ -671,7 +672,8 @@ typedef struct {
 
 static inline __m256 exp_nonpositive8(__m256 x) {
   const __m256 magic = _mm256_set1_ps(12582912.0f);
-  __m256 clamped = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  /* max(-87, x) returns x when x is NaN, as the scalar clamp does: NaN in, NaN out */
+  __m256 clamped = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
   __m256 t = _mm256_fmadd_ps(clamped, _mm256_set1_ps(1.44269504088896341f), magic);
   __m256 n = _mm256_sub_ps(t, magic);
   __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), clamped);
@@ -904,10 +906,10 @@ static inline __m256 scores_of_eight(const float *q, const float *const *k, int6
 }
 
 /* A running max over 8 keys in order, as the portable code takes it (a later score replaces
- * the max only when greater; invisible lanes hold -inf): a prefix scan that combines an
- * earlier run with a later one as max(later, earlier), which keeps the earlier on ties and
- * drops a NaN exactly as the one-at-a-time compare does. `before` gets each key's max before
- * it (lane 0: `start`). */
+ * the max only when greater; invisible lanes, and NaN scores, which never compare greater,
+ * hold -inf): a prefix scan that combines an earlier run with a later one as max(later,
+ * earlier), which keeps the earlier on ties. `before` gets each key's max before it (lane 0:
+ * `start`). */
 static inline __m256 running_max8(__m256 x, __m256 start, __m256 *before) {
   const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
   __m256 shifted = _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6));
@@ -1019,7 +1021,8 @@ static void fold_rows_avx2(const Job *job, int64_t kv_head, int64_t first) {
             _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)to + 1), index)));
         const __m256 vs = scores_of_eight(qs[t], kr + half, dim);
         __m256 before;
-        const __m256 vmx = running_max8(_mm256_blendv_ps(minus_inf, vs, vis), running, &before);
+        const __m256 ordered = _mm256_and_ps(vis, _mm256_cmp_ps(vs, vs, _CMP_ORD_Q));
+        const __m256 vmx = running_max8(_mm256_blendv_ps(minus_inf, vs, ordered), running, &before);
         const __m256 ch = _mm256_cmp_ps(vmx, before, _CMP_NEQ_UQ);
         _mm256_storeu_ps(p + half, _mm256_and_ps(vis, exp_nonpositive8(_mm256_and_ps(vis, _mm256_sub_ps(vs, vmx)))));
         __m256 a = one; /* the max mostly holds: no exp to take */

@@ -212,8 +212,9 @@ def test_ties_and_a_max_that_moves_every_key_keep_the_portable_bits(
 ):
     """The vectorised decode layout takes a block's running max as a scan, not key by key:
     where scores tie (repeated keys, +0 and -0), where the max moves at every key (scores
-    rising), and where a sliding window or a causal edge cuts a block in the middle of its
-    keys, every build still gives the portable build's bits."""
+    rising), where a key scores NaN, and where a sliding window or a causal edge cuts a
+    block in the middle of its keys, every build still gives the portable build's bits (NaN
+    where it gives NaN)."""
     from kvchat.engine.kvdirect.exact_attention import (
         AVX2_FLAGS,
         compile_kernel,
@@ -227,18 +228,22 @@ def test_ties_and_a_max_that_moves_every_key_keep_the_portable_bits(
         kernel = load_kernel(tmp_path / "avx2.so")
     g = torch.Generator().manual_seed(3)
     dim, n = 64, 203
-    query = torch.randn(1, 3, 2, dim, generator=g)
-    rising = torch.linspace(-4, 4, n).view(1, 1, n, 1) * query[:, :1, :1].sign()
+    # 2 kv heads of 2 query heads, 2 positions each; positive queries, so the first kv
+    # head's keys (all elements equal, rising with position) score higher at every key.
+    query = torch.randn(1, 4, 2, dim, generator=g).abs()
+    rising = torch.linspace(-4, 4, n).view(1, 1, n, 1).expand(1, 1, n, dim)
     tied = torch.randn(1, 1, 1, dim, generator=g).expand(1, 1, n, dim).clone()
     tied[:, :, ::5] = 0.0
     tied[:, :, 1::5] = -0.0
-    key = torch.cat([rising.expand(1, 1, n, dim), tied])
+    key = torch.cat([rising, tied], dim=1).contiguous()
+    key[0, 1, 150, 3] = float("nan")  # seen by both rows unless the window has passed it
     value = torch.randn(1, 2, n, dim, generator=g)
-    query = query.repeat(1, 2, 1, 1)[:, :4]  # 2 kv heads of 2 query heads, 2 positions each
     for window in (None, 1, 7, 37):
         built = AttentionState(query, 0.125, n - 2, window, kernel=kernel)
         plain = AttentionState(query, 0.125, n - 2, window, kernel=portable_build)
         for state in (built, plain):
             state.fold(key[:, :, :21], value[:, :, :21], 0)
             state.fold(key[:, :, 21:], value[:, :, 21:], 21)
-        assert torch.equal(built.finish(), plain.finish()), window
+        torch.testing.assert_close(
+            built.finish(), plain.finish(), rtol=0, atol=0, equal_nan=True, msg=str(window)
+        )
