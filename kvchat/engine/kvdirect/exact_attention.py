@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -337,9 +338,26 @@ def exact_attention(
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
+# The last answer of _positional, for the mask it was about (held weakly, so that no mask is
+# kept alive): a forward call's layers of one kind share one mask object (Gemma 3's sliding
+# layers, 15 of 18 in 270M), and checking it anew for each cost a decode step more than its
+# attention's bookkeeping.
+_last_positional: tuple[weakref.ref, int, int, int | None, bool] | None = None
+
+
 def _positional(mask: torch.Tensor, q_len: int, n: int, window: int | None) -> bool:
     """Whether ``mask`` ([1, 1, q_len, n], bool or additive) shows exactly the causal (and
     sliding) pattern :func:`exact_attention` computes from positions."""
+    global _last_positional
+    last = _last_positional
+    if last is not None and last[0]() is mask and last[1:4] == (q_len, n, window):
+        return last[4]
+    answer = _shows_positions(mask, q_len, n, window)
+    _last_positional = (weakref.ref(mask), q_len, n, window, answer)
+    return answer
+
+
+def _shows_positions(mask: torch.Tensor, q_len: int, n: int, window: int | None) -> bool:
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or mask.shape[-1] != n:
         return False
     rows = torch.arange(q_len, device=mask.device).unsqueeze(1) + (n - q_len)

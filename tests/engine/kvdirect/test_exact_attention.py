@@ -247,3 +247,29 @@ def test_ties_and_a_max_that_moves_every_key_keep_the_portable_bits(
         torch.testing.assert_close(
             built.finish(), plain.finish(), rtol=0, atol=0, equal_nan=True, msg=str(window)
         )
+
+
+def test_a_mask_is_judged_by_what_it_shows_even_when_layers_share_one():
+    """The layers of a forward call share one mask object, whose answer the kernel keeps
+    for the next layer; another mask of the same shape, or the same mask over another
+    window, is judged anew."""
+
+    class Module:
+        pass
+
+    query = torch.zeros(1, 2, 1, 16)
+    n = 40
+    causal = torch.ones(1, 1, 1, n, dtype=torch.bool)
+    hidden_first = causal.clone()
+    hidden_first[..., 0] = False
+    module = Module()
+    for _ in range(3):  # layer after layer, one mask
+        assert exact_attention.usable(module, query, causal, n, None)
+        assert not exact_attention.usable(module, query, hidden_first, n, None)
+    assert exact_attention.usable(module, query, hidden_first, n, n - 1)  # a window shows it
+    assert not exact_attention.usable(module, query, causal, n, n - 1)
+    additive = torch.zeros(1, 1, 1, n)
+    assert exact_attention.usable(module, query, additive, n, None)
+    del additive
+    blocked = torch.full((1, 1, 1, n), float("-inf"))  # may reuse the freed mask's memory
+    assert not exact_attention.usable(module, query, blocked, n, None)
