@@ -167,11 +167,10 @@ def portable_build(tmp_path_factory):
     return load_kernel(target)
 
 
-@pytest.mark.parametrize("build", ["native", "avx2"])
-def test_every_build_gives_the_portable_builds_bits(tmp_path, build, portable_build):
-    """Each build's intrinsics (AVX-512, or AVX2 on CPUs without it) run each lane with the
-    plain C loops' operations, so every build gives the same bits: this machine's own build
-    and an AVX2 build are both compared with the portable one."""
+@pytest.fixture(scope="module")
+def build_of(tmp_path_factory, portable_build):
+    """The kernel of a named build: "native" (None: the one kvchat built here) or "avx2"
+    (compiled once for the tests below, on any x86 CPU)."""
     from kvchat.engine.kvdirect.exact_attention import (
         AVX2_FLAGS,
         compile_kernel,
@@ -179,11 +178,18 @@ def test_every_build_gives_the_portable_builds_bits(tmp_path, build, portable_bu
         load_kernel,
     )
 
+    target = tmp_path_factory.mktemp("avx2") / "avx2.so"
+    assert compile_kernel(compiler(), target, AVX2_FLAGS)
+    return {"native": None, "avx2": load_kernel(target)}
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_every_build_gives_the_portable_builds_bits(build, portable_build, build_of):
+    """Each build's intrinsics (AVX-512, or AVX2 on CPUs without it) run each lane with the
+    plain C loops' operations, so every build gives the same bits: this machine's own build
+    and an AVX2 build are both compared with the portable one."""
     portable = portable_build
-    kernel = None
-    if build == "avx2":
-        assert compile_kernel(compiler(), tmp_path / "avx2.so", AVX2_FLAGS)
-        kernel = load_kernel(tmp_path / "avx2.so")
+    kernel = build_of[build]
     for kv_heads, groups, dim, q_len, past, window, dtype in [
         (3, 3, 64, 1, 900, None, torch.float32),  # a decode step: the few-rows layout
         (2, 4, 80, 1, 700, 128, torch.bfloat16),  # few rows, a dim tail, a sliding window
@@ -208,24 +214,14 @@ def test_every_build_gives_the_portable_builds_bits(tmp_path, build, portable_bu
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
 def test_ties_and_a_max_that_moves_every_key_keep_the_portable_bits(
-    tmp_path, build, portable_build
+    build, portable_build, build_of
 ):
     """The vectorised decode layout takes a block's running max as a scan, not key by key:
     where scores tie (repeated keys, +0 and -0), where the max moves at every key (scores
     rising), where a key scores NaN, and where a sliding window or a causal edge cuts a
     block in the middle of its keys, every build still gives the portable build's bits (NaN
     where it gives NaN)."""
-    from kvchat.engine.kvdirect.exact_attention import (
-        AVX2_FLAGS,
-        compile_kernel,
-        compiler,
-        load_kernel,
-    )
-
-    kernel = None
-    if build == "avx2":
-        assert compile_kernel(compiler(), tmp_path / "avx2.so", AVX2_FLAGS)
-        kernel = load_kernel(tmp_path / "avx2.so")
+    kernel = build_of[build]
     g = torch.Generator().manual_seed(3)
     dim, n = 64, 203
     # 2 kv heads of 2 query heads, 2 positions each; positive queries, so the first kv
