@@ -924,14 +924,15 @@ static inline __m256 running_max8(__m256 x, __m256 start, __m256 *before) {
   return mx;
 }
 
-/* One row through keys [from, to] of a block, all visible, in order: the sum and each
- * element's accumulator get the portable code's rescale (when alpha is not 1) and then the
- * key's weight, in its order. The accumulators from element e0 sit in `vectors` registers
- * of 8 (a constant where inlined), without a store and reload between keys; lanes past dim
- * load and store nothing. Returns the sum. */
-static inline __attribute__((always_inline)) float accumulate_block8(
+/* One row through keys [from, to] of a block, all visible, in order: each element's
+ * accumulator (and the sum, when `sum` is given: the first pass over a row's elements; a constant
+ * pointer where inlined, so the test folds away) gets
+ * the portable code's rescale (when alpha is not 1) and then the key's weight, in its order.
+ * The accumulators from element e0 sit in `vectors` registers of 8 (a constant where
+ * inlined), without a store and reload between keys; lanes past dim load and store nothing. */
+static inline __attribute__((always_inline)) void accumulate_block8(
     float *out, int64_t e0, int64_t dim, const float *const *vr, const float *p,
-    const float *alpha, int64_t from, int64_t to, float sum, const int vectors) {
+    const float *alpha, int64_t from, int64_t to, float *sum, const int vectors) {
   __m256 a[8];
   __m256i live[8];
   const int whole = dim - e0 >= 8 * vectors;
@@ -941,11 +942,11 @@ static inline __attribute__((always_inline)) float accumulate_block8(
   }
   for (int64_t b = from; b <= to; b++) {
     if (alpha[b] != 1.0f) {
-      sum = sum * alpha[b];
+      if (sum) *sum = *sum * alpha[b];
       const __m256 va = _mm256_set1_ps(alpha[b]);
       for (int u = 0; u < vectors; u++) a[u] = _mm256_mul_ps(a[u], va);
     }
-    sum = sum + p[b];
+    if (sum) *sum = *sum + p[b];
     const __m256 vp = _mm256_set1_ps(p[b]);
     const float *v = vr[b] + e0;
     if (whole)
@@ -959,7 +960,6 @@ static inline __attribute__((always_inline)) float accumulate_block8(
     if (whole) _mm256_storeu_ps(out + e0 + 8 * u, a[u]);
     else _mm256_maskstore_ps(out + e0 + 8 * u, live[u], a[u]);
   }
-  return sum;
 }
 
 /* The few-rows layout (a decode step) with AVX2 registers: per row and block of keys, the
@@ -1033,10 +1033,9 @@ static void fold_rows_avx2(const Job *job, int64_t kv_head, int64_t first) {
       }
       float *out = acc + t * dim;
       float sum = l[t];
-      for (int64_t e0 = 0; e0 < dim; e0 += 64) {
-        const float total = accumulate_block8(out, e0, dim, vr, p, alpha, from, to, l[t], 8);
-        if (e0 == 0) sum = total;
-      }
+      accumulate_block8(out, 0, dim, vr, p, alpha, from, to, &sum, 8);
+      for (int64_t e0 = 64; e0 < dim; e0 += 64)
+        accumulate_block8(out, e0, dim, vr, p, alpha, from, to, NULL, 8);
       l[t] = sum;
       m[t] = _mm256_cvtss_f32(running);
     }
