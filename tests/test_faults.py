@@ -286,10 +286,16 @@ def test_a_second_process_is_refused_while_the_first_replies(copy, smollm2_dir):
     holds = lambda: lock.read_text().strip() == str(first.proc.pid)  # noqa: E731
     first.wait_for(holds, what="the first process holding the conversation's lock")
 
-    second = kvchat(
-        root, "run", "--model", str(smollm2_dir), "--conversation", conv_id, "--json",
-        "--max-new-tokens", "2", "--prompt", "Hi",
-    )  # fmt: skip
+    # Stopped, the first keeps its lock however long the second takes to start (under a
+    # busy CI the first's reply could otherwise end before the second looks).
+    os.kill(first.proc.pid, signal.SIGSTOP)
+    try:
+        second = kvchat(
+            root, "run", "--model", str(smollm2_dir), "--conversation", conv_id, "--json",
+            "--max-new-tokens", "2", "--prompt", "Hi",
+        )  # fmt: skip
+    finally:
+        os.kill(first.proc.pid, signal.SIGCONT)
     assert first.proc.poll() is None, (
         f"the first process ended before the second tried: {first.stdout!r} {second.stderr!r}"
     )

@@ -318,14 +318,18 @@ class KvchatApp(App[None]):
         self._applied_system = settings.system
 
         def job() -> None:
-            last = time.monotonic()
+            due = time.monotonic() + interval
 
             def on_text(chunk: str) -> None:
-                nonlocal last
+                nonlocal due
                 post(ReplyChunk(chunk))
                 now = time.monotonic()
-                if now - last >= interval:
-                    last = now
+                if now >= due:
+                    # Readings are due every interval from the reply's start, not an interval
+                    # after whichever chunk came last: the wait for a chunk does not add up.
+                    due += interval
+                    if due <= now:  # a long pause (a slow step): start the count again
+                        due = now + interval
                     try:
                         post(MemoryUpdate(backend.memory()))
                     except Exception:  # a missed reading must not end the reply

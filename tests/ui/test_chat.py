@@ -72,8 +72,13 @@ async def test_shift_enter_and_ctrl_j_add_newlines(make_app):
         assert app.prompt.text == "a\nb\nc"
 
 
-async def test_gauge_updates_at_least_four_times_a_second_while_streaming(make_app):
-    app = make_app(delay=0.02, reply=LONG_REPLY[: len(LONG_REPLY) // 2])  # ~2 s of streaming
+@pytest.mark.parametrize(
+    ("delay", "words"),
+    [(0.02, 100), (0.15, 16)],  # ~2 s of streaming: fast tokens, then tokens 0.15 s apart
+    ids=["fast tokens", "slow tokens"],
+)
+async def test_gauge_updates_at_least_four_times_a_second_while_streaming(make_app, delay, words):
+    app = make_app(delay=delay, reply=" ".join(LONG_REPLY.split(" ")[:words]))
     async with app.run_test() as pilot:
         await ready(pilot)
         before = app.gauge.updates
