@@ -925,11 +925,11 @@ static inline __m256 running_max8(__m256 x, __m256 start, __m256 *before) {
 }
 
 /* One row through keys [from, to] of a block, all visible, in order: each element's
- * accumulator (and the sum, when `sum` is given: the first pass over a row's elements; a constant
- * pointer where inlined, so the test folds away) gets
- * the portable code's rescale (when alpha is not 1) and then the key's weight, in its order.
- * The accumulators from element e0 sit in `vectors` registers of 8 (a constant where
- * inlined), without a store and reload between keys; lanes past dim load and store nothing. */
+ * accumulator, and the sum when `sum` is given (the first pass over a row's elements; a
+ * constant pointer where inlined, so the test folds away), gets the portable code's rescale
+ * (when alpha is not 1) and then the key's weight, in its order. The accumulators from
+ * element e0 sit in `vectors` registers of 8 (a constant where inlined), without a store and
+ * reload between keys; lanes past dim load and store nothing. */
 static inline __attribute__((always_inline)) void accumulate_block8(
     float *out, int64_t e0, int64_t dim, const float *const *vr, const float *p,
     const float *alpha, int64_t from, int64_t to, float *sum, const int vectors) {

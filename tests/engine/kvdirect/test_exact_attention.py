@@ -148,39 +148,34 @@ def test_a_decode_steps_rows_shared_out_over_threads_keep_their_bits(
         assert torch.equal(alone[0, :, 0], outs[2][0, :, head])
 
 
-@pytest.fixture(scope="module")
-def portable_build(tmp_path_factory):
-    """The kernel built from its plain C loops alone, compiled once for the builds below."""
+def compiled(tmp_path_factory, name: str, flags: list[str]):
+    """The kernel compiled with ``flags`` in a folder of its own (x86 flags: skipped elsewhere)."""
     import platform
 
-    from kvchat.engine.kvdirect.exact_attention import (
-        PORTABLE_FLAGS,
-        compile_kernel,
-        compiler,
-        load_kernel,
-    )
+    from kvchat.engine.kvdirect.exact_attention import compile_kernel, compiler, load_kernel
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the builds' flags are x86 ones")
-    target = tmp_path_factory.mktemp("portable") / "portable.so"
-    assert compile_kernel(compiler(), target, PORTABLE_FLAGS)
+    target = tmp_path_factory.mktemp(name) / f"{name}.so"
+    assert compile_kernel(compiler(), target, flags)
     return load_kernel(target)
 
 
 @pytest.fixture(scope="module")
-def build_of(tmp_path_factory, portable_build):
+def portable_build(tmp_path_factory):
+    """The kernel built from its plain C loops alone, compiled once for the builds below."""
+    from kvchat.engine.kvdirect.exact_attention import PORTABLE_FLAGS
+
+    return compiled(tmp_path_factory, "portable", PORTABLE_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def build_of(tmp_path_factory):
     """The kernel of a named build: "native" (None: the one kvchat built here) or "avx2"
     (compiled once for the tests below, on any x86 CPU)."""
-    from kvchat.engine.kvdirect.exact_attention import (
-        AVX2_FLAGS,
-        compile_kernel,
-        compiler,
-        load_kernel,
-    )
+    from kvchat.engine.kvdirect.exact_attention import AVX2_FLAGS
 
-    target = tmp_path_factory.mktemp("avx2") / "avx2.so"
-    assert compile_kernel(compiler(), target, AVX2_FLAGS)
-    return {"native": None, "avx2": load_kernel(target)}
+    return {"native": None, "avx2": compiled(tmp_path_factory, "avx2", AVX2_FLAGS)}
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
