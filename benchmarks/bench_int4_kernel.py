@@ -22,7 +22,12 @@ read of as many bytes (``torch.sum`` over float32, the fastest a one-row product
 could go); ratio = the kernel's GB/s / the read's (near 1: the kernel runs at the memory's
 speed; well below: it is bound by its own arithmetic).
 
-Run from the repository root: ``python benchmarks/bench_int4_kernel.py [--repeats 5]``.
+``--against REV`` adds a fourth table: this checkout's kernel against the kernel as it was at
+git revision REV (both built here with kvchat's flags), the same calls interleaved, at one
+row and 64, with the same bits required; speedup = REV's time / this checkout's.
+
+Run from the repository root: ``python benchmarks/bench_int4_kernel.py [--repeats 5]
+[--against REV]``.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=8, help="4B layers in the memory table")
+    parser.add_argument("--against", help="a git revision whose kernel to time beside this one")
     parser.add_argument("--out", default="docs/results/bench_int4_kernel/run.json")
     args = parser.parse_args()
     if not int4_kernel.available():
@@ -113,13 +119,10 @@ def main() -> None:
     tiled_rows = tiled_table(args.repeats) if int4_kernel.tiles_available() else []
     if not tiled_rows:
         print("\nno AMX tiles here: the tiled path is not measured")
-    harness.save_run(
-        args.out,
-        "bench_int4_kernel",
-        {"args": vars(args), "rows": rows, "memory": memory_row, "tiled": tiled_rows},
-        env,
-        wall(),
-    )
+    fields = {"args": vars(args), "rows": rows, "memory": memory_row, "tiled": tiled_rows}
+    if args.against:
+        fields["against"] = against(args.against, args.repeats)
+    harness.save_run(args.out, "bench_int4_kernel", fields, env, wall())
 
 
 def memory_table(repeats: int, layers: int) -> dict:
@@ -152,6 +155,92 @@ def memory_table(repeats: int, layers: int) -> dict:
           f"| {read_gbs:.1f} | {ratio:.2f} |")  # fmt: skip
     return {"layers": layers, "weight_bytes": weight_bytes, "kernel_gb_per_s": kernel_gbs,
             "read_gb_per_s": read_gbs, "ratio": ratio}  # fmt: skip
+
+
+def kernel_at(revision: str | None, directory: Path) -> Any:
+    """The int4 kernel's source at git ``revision`` (None: this checkout's), built into
+    ``directory`` with kvchat's flags for this machine."""
+    import subprocess
+
+    from kvchat.engine.kvdirect.exact_attention import compile_kernel, compiler
+    from kvchat.engine.models import int4_kernel
+
+    source = directory / f"{revision or 'checkout'}.c"
+    if revision is None:
+        text = int4_kernel.SOURCE.read_text()
+    else:
+        text = subprocess.run(
+            ["git", "show", f"{revision}:kvchat/engine/models/int4_kernel.c"],
+            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    source.write_text(text)
+    target = source.with_suffix(".so")
+    if not compile_kernel(compiler(), target, source=source):
+        sys.exit(f"the int4 kernel at {revision or 'this checkout'} does not build here")
+    return int4_kernel.load(target)
+
+
+def call(library: Any, x: Any, codes: Any, scale_min: Any, n: int) -> Any:
+    """``x @ W.T`` through ``library``'s kvchat_int4_matmul, on kvchat's thread count."""
+    import torch
+
+    from kvchat.threads import kernel_threads
+
+    m, k = x.shape
+    out, scratch = torch.empty(m, n), torch.empty(m * (k // 32))
+    library.kvchat_int4_matmul(
+        x.data_ptr(), m, k, codes.data_ptr(), scale_min.data_ptr(),
+        int(scale_min.shape[1] == 1), n, out.data_ptr(), scratch.data_ptr(), kernel_threads(),
+    )  # fmt: skip
+    return out
+
+
+# Gemma 3 270M's matrices (the shaped Q4_0 file's: a symmetric head), beside SHAPES
+SHAPES_270M = [
+    ("270M q/k/v stacked", 1536, 640),
+    ("270M gate/up stacked", 4096, 640),
+    ("270M down_proj", 640, 2048),
+    ("270M vocabulary (tied head)", 262144, 640),
+]
+
+
+def against(revision: str, repeats: int) -> list[dict]:
+    """This checkout's kernel against the one at ``revision``: the same calls, interleaved,
+    and the same bits required."""
+    import tempfile
+
+    import torch
+
+    from kvchat.engine.models import int4_kernel
+
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        now, then = kernel_at(None, Path(scratch)), kernel_at(revision, Path(scratch))
+        print(f"\nagainst the kernel at {revision}:")
+        print("| matrix | rows | kernel ms | then ms | speedup | same bits |")
+        print("|---|---|---|---|---|---|")
+        for name, n, k in SHAPES + SHAPES_270M:
+            g = torch.Generator().manual_seed(3)
+            parts = random_int4(n, k, g)
+            if name.startswith("270M"):  # a Q4_0 tensor's form: the scales alone
+                del parts["zeros"]
+            codes, scale_min = int4_kernel.kernel_form(parts)
+            for m in (1, 64):
+                x = torch.randn(m, k, generator=g)
+                calls = 1 if n > 100_000 else (10 if m == 1 else 2) * (20 if n * k < 2e6 else 1)
+                now_call = functools.partial(call, now, x, codes, scale_min, n)
+                then_call = functools.partial(call, then, x, codes, scale_min, n)
+                same = bool(torch.equal(now_call(), then_call()))
+                now_s, then_s = common.alternating_timings(now_call, then_call, repeats, calls)
+                k_ms, t_ms = harness.median(now_s) * 1e3, harness.median(then_s) * 1e3
+                speedup = harness.median_ratio(then_s, now_s)
+                rows.append(
+                    {"matrix": name, "out": n, "in": k, "rows": m, "kernel_ms": k_ms,
+                     "then_ms": t_ms, "speedup": speedup, "same_bits": same}
+                )  # fmt: skip
+                print(f"| {name} ({n}x{k}) | {m} | {k_ms:.2f} | {t_ms:.2f} | {speedup:.2f} "
+                      f"| {'yes' if same else 'NO'} |")  # fmt: skip
+    return rows
 
 
 def tiled_table(repeats: int) -> list[dict]:

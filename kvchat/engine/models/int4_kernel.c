@@ -285,16 +285,32 @@ static inline __m512i two_columns_bytes(const uint8_t *a, const uint8_t *b) {
   return _mm512_cvtepu8_epi32(both);
 }
 
-/* One row against two columns at a time: each half of a register is one column, running
+/* One group of one row against two columns: each half of a register is one column, running
    the AVX2 code's operations on it in the AVX2 code's order (the row's activations stand in
-   both halves), so the bits are rows_tile's and a decode step issues half the instructions
-   per weight, which is what held its reading of the weights under the memory's speed. An
-   odd last column runs in both halves, its second copy dropped. */
-static void column_pairs_row(const Job *job, int64_t r) {
+   both halves). `twice` says where they come from: from `xg` laid out twice over
+   (column_pairs_row's buffer), or broadcast from the row itself. */
+static inline __attribute__((always_inline)) __m512 pair_group(const uint8_t *ca,
+                                                                const uint8_t *cb,
+                                                                const float *xg, const int twice,
+                                                                __m512 s, __m512 total) {
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  const __m512i b0 = two_columns_bytes(ca, cb);
+  const __m512i b1 = two_columns_bytes(ca + 8, cb + 8);
+  __m512 x[4];
+  for (int i = 0; i < 4; i++)
+    x[i] = twice ? _mm512_load_ps(xg + 16 * i)
+                 : _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 8 * i));
+  __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b0, low)), x[0]);
+  a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b1, low)), x[1], a);
+  a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), x[2], a);
+  a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), x[3], a);
+  return _mm512_fmadd_ps(a, s, total);
+}
+
+static inline __attribute__((always_inline)) void column_pairs_of(const Job *job, const float *x,
+                                                                  const int twice) {
   const int64_t k = job->k, groups = k / GROUP;
   const int64_t stride = (job->symmetric ? 1 : 2) * groups;
-  const float *x = job->x + r * k;
-  const __m512i low = _mm512_set1_epi32(0x0f);
   float scales[2][groups];
   for (int64_t n = job->n0; n < job->n1; n += 2) {
     const int64_t m = n + 1 < job->n1 ? n + 1 : n;
@@ -308,24 +324,41 @@ static void column_pairs_row(const Job *job, int64_t r) {
         _mm_prefetch((const char *)(ca + k + 16 * g), _MM_HINT_T0);
         _mm_prefetch((const char *)(ca + k + k / 2 + 16 * g), _MM_HINT_T0);
       }
-      const __m512i b0 = two_columns_bytes(ca + 16 * g, cb + 16 * g);
-      const __m512i b1 = two_columns_bytes(ca + 16 * g + 8, cb + 16 * g + 8);
-      const float *xg = x + GROUP * g;
-      __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b0, low)),
-                               _mm512_broadcast_f32x8(_mm256_loadu_ps(xg)));
-      a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b1, low)),
-                          _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 8)), a);
-      a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)),
-                          _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 16)), a);
-      a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)),
-                          _mm512_broadcast_f32x8(_mm256_loadu_ps(xg + 24)), a);
       const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(scales[0][g])),
                                           _mm256_set1_ps(scales[1][g]), 1);
-      total = _mm512_fmadd_ps(a, s, total);
+      total = pair_group(ca + 16 * g, cb + 16 * g, x + (twice ? 2 : 1) * GROUP * g, twice, s,
+                         total);
     }
-    finish(job, r, n, _mm512_castps512_ps256(total));
-    if (m != n) finish(job, r, m, high_half(total));
+    finish(job, 0, n, _mm512_castps512_ps256(total));
+    if (m != n) finish(job, 0, m, high_half(total));
   }
+}
+
+/* The largest row laid out twice on the stack (128 KiB); a longer one is broadcast as it is
+   read, which gives the same bits. */
+#define TWICE_MAX_K 16384
+
+/* One row against two columns at a time (pair_group), so the bits are rows_tile's and a
+   decode step issues half the instructions per weight, which is what held its reading of the
+   weights under the memory's speed. The row is first laid out twice over (each quarter
+   group's 8 activations, then the same 8 again), once per call, so that every multiply reads
+   its operand from the first-level cache as it is, instead of broadcasting it (1.1-1.2x as
+   fast at one row: benchmarks/bench_int4_kernel.py). An odd last column runs in both halves,
+   its second copy dropped. */
+static void column_pairs_row(const Job *job) {
+  const int64_t k = job->k;
+  if (k > TWICE_MAX_K) {
+    column_pairs_of(job, job->x, 0);
+    return;
+  }
+  float buffer[2 * k + 16];
+  float *twice = (float *)(((uintptr_t)buffer + 63) & ~(uintptr_t)63);
+  for (int64_t c = 0; c < k; c += 8) {
+    const __m256 v = _mm256_loadu_ps(job->x + c);
+    _mm256_store_ps(twice + 2 * c, v);
+    _mm256_store_ps(twice + 2 * c + 8, v);
+  }
+  column_pairs_of(job, twice, 1);
 }
 
 /* Rows r0..r0+nr-1 (nr >= 2): pairs from xi (interleave_pairs' layout), an odd last row in
@@ -659,7 +692,7 @@ static void run_job(const Job *job) {
      buffer cannot be had. The buffer is aligned to the cache line, since a 512-bit load
      across two lines costs twice one within a line. */
   if (job->rows == 1) {
-    column_pairs_row(job, 0);
+    column_pairs_row(job);
     return;
   }
   float *xi = job->rows >= 4 ? aligned_alloc(64, PAIR_TILE * job->k * sizeof *xi) : NULL;
