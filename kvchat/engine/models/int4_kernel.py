@@ -3,9 +3,10 @@ order, loaded with ctypes.
 
 Why not torch's ``_weight_int4pack_mm_for_cpu`` alone: it casts activations to bf16. This
 kernel keeps float32's precision in one summation order, and is faster on a CPU without
-AVX-512 at one row and at a prefill chunk's 64; with AVX-512, where it runs two rows to a
-register, it is faster at 64 rows and a little slower at one
-(``benchmarks/bench_int4_kernel.py`` measures both).
+AVX-512 at one row and at a prefill chunk's 64. With AVX-512, where it runs two rows (or, at
+one row, two columns) to a register, it was faster at 64 rows and a little slower at one on a
+Xeon; on an AMD EPYC it is about as fast at one row and up to 2x slower at 64, where torch's
+bf16 activations halve the arithmetic (``benchmarks/bench_int4_kernel.py`` measures both).
 
 Why not int8 activations, as llama.cpp's Q4 products use: tried, they were faster for
 prefill but changed the default model's greedy answers and lowered its int4 top-1 agreement
