@@ -143,19 +143,9 @@ def build_flags(build: str) -> list[str] | None:
 def kernel_at(revision: str | None, directory: Path, flags: list[str] | None) -> Any:
     """The attention kernel's source at git ``revision`` (None: this checkout's), built into
     ``directory`` with ``flags`` (None: kvchat's own)."""
-    import subprocess
-
     from kvchat.engine.kvdirect.exact_attention import SOURCE, compile_kernel, compiler, load_kernel
 
-    source = directory / f"{revision or 'checkout'}.c"
-    if revision is None:
-        text = SOURCE.read_text()
-    else:
-        text = subprocess.run(
-            ["git", "show", f"{revision}:kvchat/engine/kvdirect/exact_attention.c"],
-            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-    source.write_text(text)
+    source = common.source_at(revision, SOURCE, directory)
     target = source.with_suffix(".so")
     if not compile_kernel(compiler(), target, flags, source=source):
         sys.exit(f"the kernel at {revision or 'this checkout'} does not build here")

@@ -160,20 +160,10 @@ def memory_table(repeats: int, layers: int) -> dict:
 def kernel_at(revision: str | None, directory: Path) -> Any:
     """The int4 kernel's source at git ``revision`` (None: this checkout's), built into
     ``directory`` with kvchat's flags for this machine."""
-    import subprocess
-
     from kvchat.engine.kvdirect.exact_attention import compile_kernel, compiler
     from kvchat.engine.models import int4_kernel
 
-    source = directory / f"{revision or 'checkout'}.c"
-    if revision is None:
-        text = int4_kernel.SOURCE.read_text()
-    else:
-        text = subprocess.run(
-            ["git", "show", f"{revision}:kvchat/engine/models/int4_kernel.c"],
-            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-    source.write_text(text)
+    source = common.source_at(revision, int4_kernel.SOURCE, directory)
     target = source.with_suffix(".so")
     if not compile_kernel(compiler(), target, source=source):
         sys.exit(f"the int4 kernel at {revision or 'this checkout'} does not build here")

@@ -121,6 +121,25 @@ def stamped_generate(
     return outcome, harness.intervals(calls)
 
 
+def source_at(revision: str | None, source: Path, directory: Path) -> Path:
+    """``source`` (a file of this checkout) as it was at git ``revision`` (None: as it is
+    now), written into ``directory``; the written file's path."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    target = directory / f"{source.stem}-{revision or 'checkout'}{source.suffix}"
+    if revision is None:
+        text = source.read_text()
+    else:
+        relative = source.resolve().relative_to(root).as_posix()
+        text = subprocess.run(
+            ["git", "show", f"{revision}:{relative}"],
+            cwd=root, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    target.write_text(text)
+    return target
+
+
 def alternating_timings(
     ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int, calls: int
 ) -> tuple[list[float], list[float]]:
