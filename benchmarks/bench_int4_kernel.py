@@ -170,22 +170,8 @@ def kernel_at(revision: str | None, directory: Path) -> Any:
     return int4_kernel.load(target)
 
 
-def call(library: Any, x: Any, codes: Any, scale_min: Any, n: int) -> Any:
-    """``x @ W.T`` through ``library``'s kvchat_int4_matmul, on kvchat's thread count."""
-    import torch
-
-    from kvchat.threads import kernel_threads
-
-    m, k = x.shape
-    out, scratch = torch.empty(m, n), torch.empty(m * (k // 32))
-    library.kvchat_int4_matmul(
-        x.data_ptr(), m, k, codes.data_ptr(), scale_min.data_ptr(),
-        int(scale_min.shape[1] == 1), n, out.data_ptr(), scratch.data_ptr(), kernel_threads(),
-    )  # fmt: skip
-    return out
-
-
-# Gemma 3 270M's matrices (the shaped Q4_0 file's: a symmetric head), beside SHAPES
+# Gemma 3 270M's matrices, beside SHAPES, in a Q4_0 tensor's symmetric form (the scales
+# alone), as the shaped file holds them
 SHAPES_270M = [
     ("270M q/k/v stacked", 1536, 640),
     ("270M gate/up stacked", 4096, 640),
@@ -209,17 +195,22 @@ def against(revision: str, repeats: int) -> list[dict]:
         print(f"\nagainst the kernel at {revision}:")
         print("| matrix | rows | kernel ms | then ms | speedup | same bits |")
         print("|---|---|---|---|---|---|")
-        for name, n, k in SHAPES + SHAPES_270M:
+        shapes = [(*shape, False) for shape in SHAPES] + [(*s, True) for s in SHAPES_270M]
+        for name, n, k, symmetric in shapes:
             g = torch.Generator().manual_seed(3)
             parts = random_int4(n, k, g)
-            if name.startswith("270M"):  # a Q4_0 tensor's form: the scales alone
+            if symmetric:
                 del parts["zeros"]
             codes, scale_min = int4_kernel.kernel_form(parts)
             for m in (1, 64):
                 x = torch.randn(m, k, generator=g)
                 calls = 1 if n > 100_000 else (10 if m == 1 else 2) * (20 if n * k < 2e6 else 1)
-                now_call = functools.partial(call, now, x, codes, scale_min, n)
-                then_call = functools.partial(call, then, x, codes, scale_min, n)
+                now_call = functools.partial(
+                    int4_kernel.matmul, x, codes, scale_min, n, library=now
+                )
+                then_call = functools.partial(
+                    int4_kernel.matmul, x, codes, scale_min, n, library=then
+                )
                 same = bool(torch.equal(now_call(), then_call()))
                 now_s, then_s = common.alternating_timings(now_call, then_call, repeats, calls)
                 k_ms, t_ms = harness.median(now_s) * 1e3, harness.median(then_s) * 1e3

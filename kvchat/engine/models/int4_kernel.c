@@ -307,6 +307,8 @@ static inline __attribute__((always_inline)) __m512 pair_group(const uint8_t *ca
   return _mm512_fmadd_ps(a, s, total);
 }
 
+/* The job's columns, two at a time, against one row at `x` (laid out twice over or not, as
+   `twice` says: pair_group). */
 static inline __attribute__((always_inline)) void column_pairs_of(const Job *job, const float *x,
                                                                   const int twice) {
   const int64_t k = job->k, groups = k / GROUP;
@@ -352,13 +354,13 @@ static void column_pairs_row(const Job *job) {
     return;
   }
   float buffer[2 * k + 16];
-  float *twice = (float *)(((uintptr_t)buffer + 63) & ~(uintptr_t)63);
+  float *doubled = (float *)(((uintptr_t)buffer + 63) & ~(uintptr_t)63);
   for (int64_t c = 0; c < k; c += 8) {
     const __m256 v = _mm256_loadu_ps(job->x + c);
-    _mm256_store_ps(twice + 2 * c, v);
-    _mm256_store_ps(twice + 2 * c + 8, v);
+    _mm256_store_ps(doubled + 2 * c, v);
+    _mm256_store_ps(doubled + 2 * c + 8, v);
   }
-  column_pairs_of(job, twice, 1);
+  column_pairs_of(job, doubled, 1);
 }
 
 /* Rows r0..r0+nr-1 (nr >= 2): pairs from xi (interleave_pairs' layout), an odd last row in

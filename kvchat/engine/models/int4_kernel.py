@@ -181,11 +181,14 @@ def matmul(
     out_features: int,
     *,
     tiled: bool = False,
+    library: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """``rows @ W.T`` in float32 (``rows`` ``[M, K]``; ``codes``/``scale_min`` may be a row
     range of a larger contiguous weight). ``tiled``: through the tiles where
-    :func:`takes_tiles` says so (see the module's docstring)."""
-    kernel = _kernel()
+    :func:`takes_tiles` says so (see the module's docstring). ``library``: another build of
+    the kernel (:func:`load`), such as a benchmark's of an earlier revision; by default the
+    one kvchat built."""
+    kernel = library or _kernel()
     x = rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.float().contiguous()
     m, k = x.shape
     out = torch.empty(m, out_features)
